@@ -1,0 +1,178 @@
+"""The one place that decides "distributed or not": :func:`resolve`.
+
+A collective first resolves its ``group`` argument to a :class:`Comm`: the process group,
+this rank's place in it, and ``impl``, the backend that runs the collective. ``impl`` is
+:mod:`distkit.dist._single` when there is no process group (a world of one rank) and
+:mod:`distkit.dist._torch` otherwise. Both backends have the same functions with the same
+signatures, and arguments are checked before either is called, so a bad argument fails
+the same way in a debugger as on 8 ranks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from types import ModuleType
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+from distkit._compat import (
+    TORCH_WORLD,
+    ProcessGroup,
+    backend_config,
+    backend_name,
+    c10d,
+    is_registered,
+)
+from distkit.dist import _single, _torch
+from distkit.dist._checks import fail
+from distkit.utils.device import backend_device_types, device_of_type
+
+_CPU = torch.device("cpu")
+
+#: What every ``group`` argument accepts: the default group, a process group, or a list
+#: of global ranks (resolved through :func:`distkit.utils.get_group`).
+GroupLike = Union[None, ProcessGroup, list, tuple, range]
+
+
+class _GroupFacts:
+    """What distkit learns about a process group once: backend, devices, member ranks."""
+
+    __slots__ = ("__weakref__", "backend", "ranks", "types")
+
+    def __init__(self) -> None:
+        self.backend: Optional[str] = None
+        self.types: Optional[list[str]] = None
+        self.ranks: Optional[list[int]] = None
+
+
+# Keyed weakly: distkit never keeps a process group alive. A group that outlives
+# torch's destroy_process_group is finalized during interpreter shutdown, when gloo's
+# worker threads can no longer be joined, and the process aborts with "terminate called
+# without an active exception" (pytorch#179291); holding one reference past destroy made
+# 12 of 20 four-rank torchrun runs on this project's machine end that way.
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class Comm:
+    """A resolved group: who we talk to, and which backend does the talking.
+
+    A Comm lives for one collective call; it holds its process group only that long.
+    """
+
+    __slots__ = ("_facts", "impl", "pg", "rank", "size")
+
+    def __init__(self, pg: Any, rank: int, size: int, impl: ModuleType) -> None:
+        self.pg = pg
+        self.rank = rank
+        self.size = size
+        self.impl = impl
+        facts = None
+        if pg is not None:
+            facts = _FACTS.get(pg)
+            if facts is None:
+                facts = _FACTS[pg] = _GroupFacts()
+        self._facts = facts
+
+    def global_ranks(self) -> list[int]:
+        """Global rank of each group rank."""
+        if self.pg is None:
+            return [0]
+        if self._facts.ranks is None:
+            from distkit.utils.groups import group_ranks
+
+            self._facts.ranks = group_ranks(self.pg)
+        return self._facts.ranks
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.global_ranks()[group_rank]
+
+    @property
+    def backend(self) -> Optional[str]:
+        """Lower-case backend string of the group (``None`` in a single process)."""
+        if self.pg is None:
+            return None
+        if self._facts.backend is None:
+            self._facts.backend = backend_name(self.pg)
+        return self._facts.backend
+
+    def device(self, data: Optional[Tensor] = None) -> torch.device:
+        """The device to stage tensors on (see :func:`distkit.utils.get_comm_device`)."""
+        if self.pg is None:
+            return _CPU
+        types = self._facts.types
+        if types is None:
+            types = self._facts.types = backend_device_types(backend_config(self.pg))
+        if len(types) > 1 and data is not None and data.device.type in types:
+            return device_of_type(data.device.type, self.pg)
+        return _CPU if types[0] == "cpu" else device_of_type(types[0], self.pg)
+
+    def __repr__(self) -> str:
+        return f"Comm(rank={self.rank}, size={self.size}, backend={self.backend})"
+
+
+#: The implicit world of one rank, when no process group exists.
+NO_GROUP = Comm(None, 0, 1, _single)
+
+
+def _comm_of(pg: Any) -> Comm:
+    return Comm(pg, pg.rank(), pg.size(), _torch)
+
+
+def resolve(group: Any, fn: str) -> Comm:
+    """Resolve a ``group`` argument (see :data:`GroupLike`) for the collective ``fn``.
+
+    Raises:
+        TypeError: ``group`` is not None, a ProcessGroup or a list of ranks.
+        ValueError: The group belongs to a destroyed world, or this rank is not in it.
+    """
+    world = TORCH_WORLD._default_pg
+    if group is None:
+        return NO_GROUP if world is None else _comm_of(world)
+    if isinstance(group, ProcessGroup):
+        if world is None or not is_registered(group):
+            fail(
+                ValueError,
+                fn,
+                NO_GROUP if world is None else _comm_of(world),
+                "group belongs to a process group that was destroyed",
+                "Create groups again (distkit.utils.get_group) after init_dist",
+            )
+        if group.rank() < 0:
+            _not_member("the group", fn)
+        return _comm_of(group)
+    if isinstance(group, (list, tuple, range)):
+        from distkit.utils.groups import get_group
+
+        try:
+            pg = get_group(group)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{fn}: group={list(group)!r}: {exc}") from None
+        if pg is None:  # single process, group == [0]
+            return NO_GROUP
+        if not isinstance(pg, ProcessGroup):
+            _not_member(f"group {list(group)}", fn)
+        return _comm_of(pg)
+    if c10d is not None and group is c10d.GroupMember.NON_GROUP_MEMBER:
+        _not_member("the group (torch's non-member marker)", fn)
+    fail(
+        TypeError,
+        fn,
+        NO_GROUP if world is None else _comm_of(world),
+        f"group must be None, a ProcessGroup or a list of global ranks, "
+        f"got {type(group).__name__}",
+    )
+
+
+def _not_member(what: str, fn: str) -> None:
+    world = TORCH_WORLD._default_pg
+    comm = _comm_of(world)
+    fail(
+        ValueError,
+        fn,
+        comm,
+        f"this rank (global rank {comm.rank}) is not a member of {what}",
+        "Call the collective only on the group's members; get_group must still be "
+        "called on every rank to create the group",
+    )

@@ -1,0 +1,75 @@
+"""The handle returned by collectives called with ``async_op=True``."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Generic, Optional, TypeVar, Union
+
+T = TypeVar("T")
+
+
+class Handle(Generic[T]):
+    """A collective in flight; :meth:`wait` returns its result.
+
+    Unlike torch's ``Work``, whose ``wait()`` returns ``True``, distkit's handle hands back
+    what the blocking call would have returned. In a single process the handle is
+    already complete.
+
+    Examples:
+        >>> import torch
+        >>> import distkit.dist as dist
+        >>> h = dist.all_reduce(torch.ones(2), async_op=True)
+        >>> h.is_completed()
+        True
+        >>> h.wait()
+        tensor([1., 1.])
+    """
+
+    __slots__ = ("_finish", "_result", "_works")
+
+    def __init__(self, works: list, finish: Callable[[], T]) -> None:
+        self._works: Optional[list] = works
+        self._finish: Optional[Callable[[], T]] = finish
+        self._result: Any = None
+
+    @classmethod
+    def completed(cls, result: T) -> Handle[T]:
+        handle: Handle[T] = cls([], lambda: result)
+        handle._works = None
+        handle._finish = None
+        handle._result = result
+        return handle
+
+    def is_completed(self) -> bool:
+        """Whether the communication has finished (``wait`` will not block)."""
+        if self._works is None:
+            return True
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self, timeout: Union[float, timedelta, None] = None) -> T:
+        """Block until the collective finished and return its result.
+
+        Args:
+            timeout: Seconds (or a timedelta) to wait before raising; ``None`` uses the
+                process group's timeout.
+
+        Returns:
+            What the same collective returns with ``async_op=False``.
+        """
+        if self._works is not None:
+            works, finish = self._works, self._finish
+            if isinstance(timeout, (int, float)):
+                timeout = timedelta(seconds=timeout)
+            for w in works:
+                if timeout is None:
+                    w.wait()
+                else:
+                    w.wait(timeout)
+            self._result = finish() if finish is not None else None
+            self._works = None
+            self._finish = None
+        return self._result
+
+    def __repr__(self) -> str:
+        state = "completed" if self._works is None else "pending"
+        return f"<distkit Handle {state}>"

@@ -1,0 +1,184 @@
+"""Collecting the results of a distributed evaluation, in dataset order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from distkit.dist import _checks
+from distkit.dist._comm import GroupLike, resolve
+from distkit.dist.objects import all_gather_object, gather_object
+
+__all__ = ["collect_results", "collect_results_cpu", "collect_results_gpu"]
+
+ORDERS = ("interleaved", "contiguous")
+
+
+def _ordered(parts: list[list], size: int, order: str, fn: str, comm: Any) -> list:
+    """Merge per-rank result lists into dataset order and cut them to ``size``."""
+    if order == "contiguous":
+        merged = [item for part in parts for item in part]
+    else:
+        merged = []
+        longest = max((len(p) for p in parts), default=0)
+        for i in range(longest):
+            merged.extend(p[i] for p in parts if i < len(p))
+    if len(merged) < size:
+        counts = ", ".join(f"rank {r}: {len(p)}" for r, p in enumerate(parts))
+        _checks.fail(
+            ValueError, fn, comm,
+            f"the ranks returned {len(merged)} results in total ({counts}), "
+            f"fewer than size={size}",
+            "Every sample must be evaluated by some rank: use a sampler without drop_last, "
+            "or pass the number of samples actually evaluated as size",
+        )
+    return merged[:size]
+
+
+def _by_index(parts: list[list], index_parts: list[list], size: int, fn: str, comm: Any) -> list:
+    """Place each result at its dataset index; the first copy of a repeated index wins."""
+    out: list = [None] * size
+    seen = [False] * size
+    for r, (part, idx) in enumerate(zip(parts, index_parts)):
+        for item, i in zip(part, idx):
+            if not 0 <= i < size:
+                _checks.fail(ValueError, fn, comm,
+                             f"rank {r} reported dataset index {i}, outside 0..{size - 1}")
+            if not seen[i]:
+                seen[i] = True
+                out[i] = item
+    missing = [i for i, s in enumerate(seen) if not s]
+    if missing:
+        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+        _checks.fail(ValueError, fn, comm,
+                     f"{len(missing)} dataset indices were evaluated by no rank: {shown}")
+    return out
+
+
+def collect_results(
+    results: Sequence,
+    size: int,
+    device: Optional[str] = None,
+    tmpdir: Optional[str] = None,
+    *,
+    dst: Optional[int] = 0,
+    group: GroupLike = None,
+    order: str = "interleaved",
+    indices: Optional[Sequence[int]] = None,
+) -> Optional[list]:
+    """Collect every rank's evaluation results, in dataset order, exactly ``size`` of them.
+
+    Collective: every rank in ``group`` must call this.
+    Single process: returns the first ``size`` results (reordered by ``indices`` if given).
+
+    How the dataset was split decides the order; say which:
+
+    - ``order="interleaved"`` (default): ``torch.utils.data.DistributedSampler`` without
+      shuffling, where rank r evaluates samples r, r + n, r + 2n, ... and the last ranks
+      repeat the first samples to even out the shards. Results are merged round-robin;
+      the repeats fall past ``size`` and are cut.
+    - ``order="contiguous"``: rank r evaluated one contiguous block, blocks in rank order.
+    - ``indices``: the dataset index of each of this rank's results (e.g.
+      ``list(sampler)`` for a shuffling sampler). Each result goes to its index; repeated
+      indices keep the first result; every index below ``size`` must be present.
+
+    Results that are ``None`` are kept. No temporary directory is ever used: results
+    travel through the object collectives.
+
+    Args:
+        results: This rank's results, in the order it evaluated its samples.
+        size: Number of samples in the dataset.
+        device: Accepted for mmengine compatibility (``"cpu"``/``"gpu"``) and ignored:
+            tensors in the results travel on the backend's device either way.
+        tmpdir: Accepted for mmengine compatibility and ignored.
+        dst: Rank (within ``group``) that gets the results; ``None`` gives them to every
+            rank.
+        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        order: ``interleaved`` or ``contiguous``; ignored when ``indices`` is given.
+        indices: Dataset index of each of this rank's results.
+
+    Returns:
+        On ``dst`` (every rank if ``dst`` is ``None``), the ``size`` results in dataset
+        order; ``None`` on the other ranks.
+
+    Raises:
+        TypeError: ``results`` is not a sequence, ``size`` not an int, or a result cannot
+            be pickled.
+        ValueError: Fewer than ``size`` results arrived, an index is out of range or
+            missing, ``order`` is unknown, or ``indices`` has the wrong length.
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> dist.collect_results(["a", None, "c", "pad"], size=3)
+        ['a', None, 'c']
+
+        With 2 ranks and a DistributedSampler over 5 samples (rank 0 evaluated 0, 2, 4;
+        rank 1 evaluated 1, 3 and the repeat of 0)::
+
+            dist.collect_results(results, size=5)
+            # rank 0: [r0, r1, r2, r3, r4]
+            # rank 1: None
+    """
+    fn = "collect_results"
+    comm = resolve(group, fn)
+    if isinstance(results, (str, bytes)) or not isinstance(results, Sequence):
+        _checks.fail(TypeError, fn, comm,
+                     f"results must be a list, got {_checks.describe(results)}")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        _checks.fail(TypeError, fn, comm,
+                     f"size must be a non-negative int, got {_checks.describe(size)}")
+    if dst is not None:
+        _checks.rank(dst, "dst", fn, comm)
+    if indices is not None:
+        indices = list(indices)
+        if len(indices) != len(results):
+            _checks.fail(ValueError, fn, comm,
+                         f"indices has {len(indices)} entries but results has {len(results)}",
+                         "Give one dataset index per result")
+    elif order not in ORDERS:
+        _checks.fail(ValueError, fn, comm, f"unknown order {order!r}",
+                     f"Use one of {', '.join(ORDERS)}, or pass indices")
+
+    payload = (list(results), indices)
+    if dst is None:
+        gathered: Optional[list] = all_gather_object(payload, group)
+    else:
+        gathered = gather_object(payload, dst, group)
+    if gathered is None:
+        return None
+    parts = [p[0] for p in gathered]
+    if indices is not None:
+        return _by_index(parts, [p[1] for p in gathered], size, fn, comm)
+    return _ordered(parts, size, order, fn, comm)
+
+
+def collect_results_cpu(result_part: Sequence, size: int,
+                        tmpdir: Optional[str] = None) -> Optional[list]:
+    """mmengine's name for :func:`collect_results` (results on rank 0; no tmpdir used).
+
+    Args:
+        result_part: This rank's results (interleaved, as a DistributedSampler splits).
+        size: Number of samples in the dataset.
+        tmpdir: Accepted for mmengine compatibility and ignored.
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> dist.collect_results_cpu([1, 2, 3], 2)
+        [1, 2]
+    """
+    return collect_results(result_part, size)
+
+
+def collect_results_gpu(result_part: Sequence, size: int) -> Optional[list]:
+    """mmengine's name for :func:`collect_results` (results on rank 0).
+
+    Args:
+        result_part: This rank's results (interleaved, as a DistributedSampler splits).
+        size: Number of samples in the dataset.
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> dist.collect_results_gpu([1, 2, 3], 3)
+        [1, 2, 3]
+    """
+    return collect_results(result_part, size)

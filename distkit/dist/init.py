@@ -1,0 +1,158 @@
+"""Starting and tearing down the default process group."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as td
+
+from distkit._compat import TORCH_WORLD as _TW
+from distkit.utils import launch as _launch
+from distkit.utils.device import BACKEND_DEVICES
+
+__all__ = ["default_backend", "destroy_dist", "infer_launcher", "init_dist"]
+
+
+def infer_launcher() -> str:
+    """Name of the launcher that started this process: pytorch, slurm, mpi or none.
+
+    See :func:`distkit.utils.launch.infer_launcher` for the rules (and the reason, which
+    ``distkit info`` prints).
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> dist.infer_launcher() in ("pytorch", "slurm", "mpi", "none")
+        True
+    """
+    return _launch.infer_launcher()[0]
+
+
+def default_backend(local_size: int = 1) -> str:
+    """``nccl`` where CUDA is usable by ``local_size`` ranks per machine, else ``gloo``.
+
+    CUDA is usable when it is available and there is a GPU for every local rank (NCCL
+    refuses two ranks on one GPU).
+
+    Args:
+        local_size: Ranks per machine.
+
+    Examples:
+        >>> import torch
+        >>> from distkit.dist import default_backend
+        >>> default_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+        True
+    """
+    if torch.cuda.is_available() and torch.cuda.device_count() >= max(local_size, 1):
+        return "nccl"
+    return "gloo"
+
+
+def init_dist(
+    launcher: str = "auto",
+    backend: Optional[str] = None,
+    timeout: Union[float, timedelta, None] = None,
+    *,
+    init_backend: str = "torch",
+    **kwargs: Any,
+) -> tuple[int, int]:
+    """Start the default process group from the launcher's environment.
+
+    ``pytorch`` reads torchrun's variables; ``slurm`` reads ``SLURM_PROCID``,
+    ``SLURM_NTASKS``, ``SLURM_LOCALID`` and takes the master address from the first host of
+    the node list (``MASTER_PORT``, the ``port`` keyword or 29500 for the port); ``mpi``
+    reads Open MPI's ``OMPI_COMM_WORLD_*`` (or ``PMI_*``) variables; ``none`` starts
+    nothing; ``auto`` picks one of those from the environment. The translated variables
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) are exported to ``os.environ`` as torchrun would.
+
+    With an accelerator backend, the current device is set to the local rank's before the
+    group starts, so object collectives and NCCL never default every rank to GPU 0.
+
+    Collective: every rank of the job must call this.
+    Single process (``none``, or ``auto`` without launcher variables): starts nothing and
+    returns ``(0, 1)``. Already initialized: returns the current ``(rank, world_size)``.
+
+    Args:
+        launcher: ``auto``, ``pytorch``, ``slurm``, ``mpi`` or ``none``.
+        backend: ``None`` picks nccl where CUDA is usable, else gloo (see
+            :func:`default_backend`); any torch backend string otherwise.
+        timeout: Collective timeout in seconds or as a timedelta; ``None`` uses torch's.
+            A string here is taken as mmengine's third positional argument,
+            ``init_backend``.
+        init_backend: Accepted for mmengine compatibility; only ``torch`` is supported.
+        **kwargs: ``port`` (slurm and mpi), and anything else is passed to
+            ``torch.distributed.init_process_group`` (e.g. ``init_method``, ``store``).
+
+    Returns:
+        ``(rank, world_size)``.
+
+    Raises:
+        ValueError: Unknown ``launcher`` or ``init_backend``.
+        RuntimeError: The launcher's variables are missing.
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> dist.init_dist("none")
+        (0, 1)
+    """
+    if isinstance(timeout, str):  # mmengine's positional form: init_dist(l, b, "torch")
+        init_backend, timeout = timeout, None
+    if init_backend != "torch":
+        raise ValueError(
+            f"init_dist: init_backend={init_backend!r} is not supported; distkit runs on "
+            "torch.distributed (init_backend='torch')"
+        )
+    if _TW._default_pg is not None:
+        pg = _TW._default_pg
+        return pg.rank(), pg.size()
+    if launcher == "auto":
+        launcher = _launch.infer_launcher()[0]
+    if launcher not in _launch.LAUNCHERS:
+        raise ValueError(
+            f"init_dist: launcher must be one of auto, {', '.join(_launch.LAUNCHERS)}; "
+            f"got {launcher!r}"
+        )
+    if launcher == "none":
+        return 0, 1
+    env = _launch.launcher_env(launcher, port=kwargs.pop("port", None))
+    os.environ.update(env)
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    local_rank, local_size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+    backend = backend or default_backend(local_size)
+    device_type = BACKEND_DEVICES.get(backend.split(":")[-1], "cpu")
+    if device_type != "cpu":
+        module = getattr(torch, device_type, None)
+        if module is not None and module.device_count() > 0:
+            module.set_device(local_rank % module.device_count())
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+    options: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world}
+    if timeout is not None:
+        options["timeout"] = timeout
+    if "store" not in kwargs:
+        options["init_method"] = kwargs.pop("init_method", "env://")
+    options.update(kwargs)
+    td.init_process_group(**options)
+    return rank, world
+
+
+def destroy_dist() -> None:
+    """Destroy the default process group and forget every cached group.
+
+    Collective where torch's ``destroy_process_group`` is (every rank should call it).
+    Single process: does nothing.
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> dist.destroy_dist()
+    """
+    from distkit.dist.world import _forget_local_group
+    from distkit.utils.groups import clear_group_cache
+
+    clear_group_cache()
+    _forget_local_group()
+    if _TW._default_pg is not None:
+        td.destroy_process_group()

@@ -1,0 +1,284 @@
+"""Collectives of picklable Python objects, returning their result.
+
+Tensors inside the objects (in lists, tuples, dicts, dataclasses, namedtuples) are not
+pickled: they travel as raw bytes through tensor collectives, on the accelerator when the
+backend has one, and arrive on the receiving rank's device (``map_location`` chooses
+another). Only the rest of the object is pickled. Small objects take one round; see
+:mod:`distkit.dist._torch_objects` for the protocol.
+
+Aliasing, the same in every world: what comes back from this rank is the caller's own
+object, not a copy (``all_gather_object(x)[rank] is x``); what comes from other ranks is
+new. Received tensors are views of one receive buffer; ``.clone()`` one to keep it alone.
+
+Every object handed in must be picklable, on every rank, in every world: a single
+process checks it too (with a pickling dry run that skips tensor data), so code that
+would fail on 8 ranks fails in the debugger. When one rank's object cannot be pickled,
+that rank raises ``TypeError`` naming the offending part, and the ranks that expected it
+raise a ``TypeError`` naming that rank, instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from distkit._compat import TORCH_WORLD as _TW
+from distkit.dist import _checks
+from distkit.dist._comm import GroupLike, resolve
+from distkit.dist._serial import ATOMS as _ATOMS
+
+__all__ = [
+    "all_gather_object",
+    "all_to_all_object",
+    "broadcast_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+]
+
+
+def all_gather_object(data: Any, group: GroupLike = None, map_location: Any = None) -> list:
+    """Gather a picklable object from every rank.
+
+    Collective: every rank in ``group`` must call this.
+    Single process: returns ``[data]``.
+
+    Args:
+        data: This rank's object.
+        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        map_location: Device for received tensors; ``None`` puts CPU tensors on the CPU
+            and accelerator tensors on this rank's current device of that type.
+
+    Returns:
+        One object per rank, in rank order; this rank's entry is ``data`` itself.
+
+    Raises:
+        TypeError: ``data`` (or another rank's object) cannot be pickled.
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> dist.all_gather_object({"loss": 0.5})
+        [{'loss': 0.5}]
+
+        With 3 ranks (the mmengine documentation's example)::
+
+            dist.all_gather_object(["foo", 12, {1: 2}][dist.get_rank()])
+            # every rank: ['foo', 12, {1: 2}]
+    """
+    if group is None and type(data) in _ATOMS and _TW._default_pg is None:
+        return [data]
+    comm = resolve(group, "all_gather_object")
+    return comm.impl.all_gather_object(comm, data, "all_gather_object", map_location)
+
+
+def gather_object(
+    data: Any, dst: int = 0, group: GroupLike = None, map_location: Any = None
+) -> Optional[list]:
+    """Gather a picklable object from every rank onto ``dst``.
+
+    Collective: every rank in ``group`` must call this.
+    Single process: returns ``[data]`` (``dst`` must be 0).
+
+    Args:
+        data: This rank's object.
+        dst: Rank (within ``group``) that receives the objects.
+        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        map_location: Device for received tensors (see :func:`all_gather_object`).
+
+    Returns:
+        On ``dst``, one object per rank in rank order (``data`` itself at ``dst``'s
+        index); ``None`` on the other ranks.
+
+    Raises:
+        TypeError: ``data`` (or, on ``dst``, another rank's object) cannot be pickled.
+        ValueError: ``dst`` is out of range.
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> dist.gather_object("only me")
+        ['only me']
+
+        With 2 ranks::
+
+            dist.gather_object(dist.get_rank() * 10, dst=0)
+            # rank 0: [0, 10]
+            # rank 1: None
+    """
+    comm = resolve(group, "gather_object")
+    _checks.rank(dst, "dst", "gather_object", comm)
+    return comm.impl.gather_object(comm, data, dst, "gather_object", map_location)
+
+
+def broadcast_object_list(
+    data: list, src: int = 0, group: GroupLike = None, map_location: Any = None
+) -> list:
+    """Broadcast the list ``data`` from ``src``, filling every rank's list in place.
+
+    Collective: every rank in ``group`` must call this.
+    Single process: returns ``data`` unchanged (``src`` must be 0).
+
+    Like ``torch.distributed.broadcast_object_list`` (and mmengine's) the list is filled
+    in place, so existing code keeps working, and it is also returned. Unlike torch, the
+    other ranks' lists may have any length: they are resized to ``src``'s.
+
+    Args:
+        data: On ``src``, the objects to send; elsewhere, the list to fill.
+        src: Rank (within ``group``) whose list is sent.
+        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        map_location: Device for received tensors (see :func:`all_gather_object`).
+
+    Returns:
+        ``data``, holding ``src``'s objects (the very same objects on ``src``).
+
+    Raises:
+        TypeError: ``data`` is not a list, or on ``src`` holds something unpicklable.
+        ValueError: ``src`` is out of range.
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> dist.broadcast_object_list(["foo", 12, {1: 2}])
+        ['foo', 12, {1: 2}]
+
+        With 4 ranks (the torch documentation's example)::
+
+            objects = ["foo", 12, {1: 2}] if dist.get_rank() == 0 else [None, None, None]
+            dist.broadcast_object_list(objects, src=0)
+            # every rank: ['foo', 12, {1: 2}], also now in ``objects``
+    """
+    fn = "broadcast_object_list"
+    comm = resolve(group, fn)
+    _checks.rank(src, "src", fn, comm)
+    if not isinstance(data, list):
+        _checks.fail(TypeError, fn, comm, f"data must be a list, got {_checks.describe(data)}",
+                     "Use broadcast_object to send a single object")
+    received = comm.impl.broadcast_object(
+        comm, data if comm.rank == src else None, src, fn, "data", map_location
+    )
+    if comm.rank != src:
+        data[:] = received
+    return data
+
+
+def broadcast_object(obj: Any = None, src: int = 0, group: GroupLike = None,
+                     map_location: Any = None) -> Any:
+    """Send one picklable object from ``src`` to every rank and return it.
+
+    Collective: every rank in ``group`` must call this.
+    Single process: returns ``obj`` (``src`` must be 0).
+
+    Args:
+        obj: The object to send on ``src``; ignored elsewhere.
+        src: Rank (within ``group``) whose object is sent.
+        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        map_location: Device for received tensors (see :func:`all_gather_object`).
+
+    Returns:
+        ``src``'s object: ``obj`` itself on ``src``, a new object elsewhere.
+
+    Raises:
+        TypeError: On ``src``, ``obj`` cannot be pickled.
+        ValueError: ``src`` is out of range.
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> dist.broadcast_object({"lr": 0.1})
+        {'lr': 0.1}
+
+        With 2 ranks::
+
+            dist.broadcast_object({"seed": 42} if dist.get_rank() == 0 else None)
+            # every rank: {'seed': 42}
+    """
+    comm = resolve(group, "broadcast_object")
+    _checks.rank(src, "src", "broadcast_object", comm)
+    return comm.impl.broadcast_object(comm, obj, src, "broadcast_object", "obj", map_location)
+
+
+def scatter_object_list(
+    data: Optional[list] = None, src: int = 0, group: GroupLike = None, map_location: Any = None
+) -> Any:
+    """Send ``data[r]`` from ``src`` to rank ``r`` and return this rank's object.
+
+    Collective: every rank in ``group`` must call this.
+    Single process: returns ``data[0]`` (``src`` must be 0).
+
+    Args:
+        data: On ``src``, one picklable object per rank; ignored elsewhere.
+        src: Rank (within ``group``) that holds the objects.
+        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        map_location: Device for received tensors (see :func:`all_gather_object`).
+
+    Returns:
+        This rank's object (``data[src]`` itself on ``src``).
+
+    Raises:
+        TypeError: On ``src``, ``data`` is not a list or holds something unpicklable.
+        ValueError: ``src`` is out of range, or ``data`` does not hold one object per rank.
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> dist.scatter_object_list(["mine"])
+        'mine'
+
+        With 2 ranks::
+
+            dist.scatter_object_list(["a", "b"] if dist.get_rank() == 0 else None)
+            # rank 0: 'a'
+            # rank 1: 'b'
+    """
+    fn = "scatter_object_list"
+    comm = resolve(group, fn)
+    _checks.rank(src, "src", fn, comm)
+    if comm.rank == src:
+        _object_list(data, fn, comm)
+    return comm.impl.scatter_object(comm, data, src, fn, map_location)
+
+
+def all_to_all_object(data: list, group: GroupLike = None, map_location: Any = None) -> list:
+    """Send the object ``data[r]`` to rank ``r``; return what each rank sent to this one.
+
+    Collective: every rank in ``group`` must call this.
+    Single process: returns ``[data[0]]``.
+
+    Args:
+        data: One picklable object per rank of ``group``.
+        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        map_location: Device for received tensors (see :func:`all_gather_object`).
+
+    Returns:
+        One object per rank: element ``r`` came from rank ``r`` (``data[rank]`` itself at
+        this rank's index).
+
+    Raises:
+        TypeError: ``data`` is not a list, or an object cannot be pickled.
+        ValueError: ``data`` does not hold one object per rank.
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> dist.all_to_all_object([{"to": 0}])
+        [{'to': 0}]
+
+        With 2 ranks::
+
+            rank = dist.get_rank()
+            dist.all_to_all_object([f"{rank}->0", f"{rank}->1"])
+            # rank 0: ['0->0', '1->0']
+            # rank 1: ['0->1', '1->1']
+    """
+    comm = resolve(group, "all_to_all_object")
+    _object_list(data, "all_to_all_object", comm)
+    return comm.impl.all_to_all_object(comm, data, "all_to_all_object", map_location)
+
+
+def _object_list(data: Any, fn: str, comm: Any) -> None:
+    if not isinstance(data, (list, tuple)):
+        _checks.fail(
+            TypeError, fn, comm,
+            f"data must be a list of {comm.size} objects (one per rank), "
+            f"got {_checks.describe(data)}",
+        )
+    if len(data) != comm.size:
+        _checks.fail(
+            ValueError, fn, comm,
+            f"data must hold {comm.size} objects (one per rank), got {len(data)}",
+            "Pass exactly one object for each rank of the group",
+        )

@@ -1,0 +1,350 @@
+"""A persistent pool of rank processes that runs a function on every rank.
+
+Starting a gloo world costs about a second per process (importing torch, rendezvous);
+a test suite that spawns a world per test spends most of its time doing that, and is
+where peers' suites got slow and flaky. A :class:`RankPool` starts its ranks once,
+rendezvoused on a FileStore in a private temporary directory (no ports), and reuses them
+for every task. A task that hangs is stopped at its timeout: every rank's Python stack is
+dumped, the ranks are killed and the pool starts afresh for the next task.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from multiprocessing.connection import wait
+from typing import Any, Callable, Optional
+
+from distkit.testing import _worker
+from distkit.testing._worker import Failure, FnRef
+
+#: Seconds a task may run before the pool declares it hung.
+DEFAULT_TIMEOUT = 60.0
+#: Timeout of the process group's own collectives (gloo raises after it).
+DEFAULT_PG_TIMEOUT = 30.0
+
+
+class RankError(AssertionError):
+    """A task failed on one or more ranks; the message holds every failing rank's story.
+
+    It subclasses ``AssertionError`` so pytest reports it as a test failure. ``failures``
+    maps each failing rank to its :class:`Failure`; ``results`` holds what the other
+    ranks returned.
+    """
+
+    def __init__(self, message: str, failures: dict[int, Failure], results: dict[int, Any]) -> None:
+        super().__init__(message)
+        self.failures = failures
+        self.results = results
+
+
+class RankTimeout(RankError):
+    """A task did not finish on every rank within its timeout."""
+
+
+def _context() -> Any:
+    # forkserver: one server imports torch once, every rank forks from it in
+    # milliseconds, and no rank inherits the parent's threads or CUDA state.
+    if sys.platform.startswith("linux"):
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "distkit.dist"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+class RankPool:
+    """``world_size`` rank processes in one gloo world, reused task after task.
+
+    Args:
+        world_size: Number of ranks.
+        backend: Process group backend of the ranks (gloo runs anywhere).
+        timeout: Default seconds a task may take before it counts as hung.
+        pg_timeout: Timeout of the ranks' process group collectives.
+        env: Extra environment variables for the rank processes.
+
+    Examples:
+        >>> from distkit.testing import RankPool
+        >>> import distkit.dist as dist
+        >>> with RankPool(2) as pool:                    # doctest: +SKIP
+        ...     pool.run(dist.get_rank)
+        [0, 1]
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        timeout: float = DEFAULT_TIMEOUT,
+        pg_timeout: float = DEFAULT_PG_TIMEOUT,
+        env: Optional[dict[str, str]] = None,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"RankPool: world_size must be at least 1, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = timeout
+        self.pg_timeout = pg_timeout
+        self.env = dict(env or {})
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._dir: Optional[str] = None
+        self._generation = 0
+        self._task = 0
+        self._lock = threading.Lock()
+        self.restarts = 0
+        self._finalizer = weakref.finalize(self, _kill, self._procs, None)
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def start(self) -> RankPool:
+        """Start the ranks (``run`` does this on first use)."""
+        if self.alive:
+            return self
+        self._stop(kill=True)
+        ctx = _context()
+        self._dir = tempfile.mkdtemp(prefix="distkit-pool-")
+        self._generation += 1
+        store = os.path.join(self._dir, f"store-{self._generation}")
+        env = {"DISTKIT_POOL": "1", **self.env}
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            stack = os.path.join(self._dir, f"stack-{rank}.txt")
+            proc = ctx.Process(
+                target=_worker.main,
+                args=(
+                    rank,
+                    self.world_size,
+                    self.backend,
+                    store,
+                    stack,
+                    child,
+                    self.pg_timeout,
+                    env,
+                ),
+                daemon=True,
+                name=f"distkit-rank-{rank}",
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        deadline = time.monotonic() + max(self.timeout, 60.0)
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(max(deadline - time.monotonic(), 0.0)):
+                self._stop(kill=True)
+                raise RuntimeError(f"RankPool: rank {rank} did not start within the timeout")
+            try:
+                status = conn.recv()
+            except EOFError:
+                status = ("failed", f"rank {rank} exited during start-up")
+            if status[0] != "ready":
+                self._stop(kill=True)
+                raise RuntimeError(f"RankPool: rank {rank} failed to start:\n{status[1]}")
+        return self
+
+    def close(self) -> None:
+        """Stop the ranks and remove the pool's temporary directory."""
+        self._stop(kill=False)
+
+    def __enter__(self) -> RankPool:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _stop(self, kill: bool) -> None:
+        if not kill:
+            for conn in self._conns:
+                try:
+                    conn.send(("stop",))
+                except (OSError, BrokenPipeError):
+                    pass
+            for proc in self._procs:
+                proc.join(timeout=5)
+        _kill(self._procs, self._dir)
+        for conn in self._conns:
+            conn.close()
+        self._procs.clear()
+        self._conns.clear()
+        self._dir = None
+
+    # -- running ----------------------------------------------------------------------
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: Optional[float] = None, **kwargs: Any
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank and return the results in rank order.
+
+        ``fn`` must be importable by the ranks (a module-level function, or a test body
+        decorated with :func:`~distkit.testing.ranks`).
+
+        Args:
+            fn: The function every rank calls.
+            *args: Positional arguments (pickled to each rank).
+            timeout: Seconds before the task counts as hung (default: the pool's).
+            **kwargs: Keyword arguments (pickled to each rank).
+
+        Returns:
+            What ``fn`` returned on each rank.
+
+        Raises:
+            RankError: ``fn`` raised on some ranks; the message shows each traceback.
+            RankTimeout: Some ranks did not finish in time; the message shows their stacks.
+        """
+        with self._lock:
+            self.start()
+            self._task += 1
+            payload = pickle.dumps((FnRef.of(fn), args, kwargs, list(sys.path)))
+            for conn in self._conns:
+                conn.send(("run", self._task, payload))
+            return self._collect(fn, timeout if timeout is not None else self.timeout)
+
+    def _collect(self, fn: Any, timeout: float) -> list[Any]:
+        results: dict[int, Any] = {}
+        failures: dict[int, Failure] = {}
+        outputs: dict[int, str] = {}
+        pending = dict(enumerate(self._conns))
+        restart = False
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready = wait(list(pending.values()), max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                break
+            for conn in ready:
+                rank = self._conns.index(conn)
+                try:
+                    kind, _, value, output, intact = conn.recv()
+                except (EOFError, OSError):
+                    self._procs[rank].join(timeout=2)
+                    code = self._procs[rank].exitcode
+                    failures[rank] = Failure(
+                        rank,
+                        "RankDied",
+                        f"rank {rank} exited (exit code {code}) while running the task",
+                        "",
+                        None,
+                    )
+                    restart = True
+                    del pending[rank]
+                    continue
+                outputs[rank] = output
+                restart = restart or not intact
+                if kind == "ok":
+                    results[rank] = value
+                else:
+                    failures[rank] = value
+                del pending[rank]
+        name = getattr(fn, "__qualname__", repr(fn))
+        for rank in sorted(outputs):
+            if outputs[rank]:
+                sys.stdout.write(_indent(f"[rank {rank} output]\n{outputs[rank]}"))
+        if pending:
+            stacks = self._dump_stacks(sorted(pending))
+            self._stop(kill=True)
+            self.restarts += 1
+            lines = [
+                f"{name} did not finish within {timeout:g} s on rank(s) "
+                f"{', '.join(map(str, sorted(pending)))} of {self.world_size}; "
+                "the pool was restarted."
+            ]
+            for rank in sorted(pending):
+                lines.append(f"--- rank {rank} was here (all threads) ---\n{stacks[rank]}")
+            lines += _failure_lines(failures)
+            raise RankTimeout("\n".join(lines), failures, results)
+        if restart:
+            self._stop(kill=True)
+            self.restarts += 1
+        if failures:
+            lines = [
+                f"{name} failed on rank(s) {', '.join(map(str, sorted(failures)))} "
+                f"of {self.world_size}"
+            ]
+            lines += _failure_lines(failures)
+            error = RankError("\n".join(lines), failures, results)
+            raise error
+        return [results[r] for r in range(self.world_size)]
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        paths = {r: os.path.join(self._dir or "", f"stack-{r}.txt") for r in ranks}
+        sizes = {r: os.path.getsize(p) if os.path.exists(p) else 0 for r, p in paths.items()}
+        for r in ranks:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            except (ProcessLookupError, TypeError):
+                pass
+        time.sleep(0.5)
+        out = {}
+        for r, p in paths.items():
+            try:
+                with open(p) as f:
+                    f.seek(sizes[r])
+                    out[r] = f.read().strip() or "(no stack was dumped)"
+            except OSError:
+                out[r] = "(no stack was dumped)"
+        return out
+
+
+def _indent(text: str) -> str:
+    return text if text.endswith("\n") else text + "\n"
+
+
+def _failure_lines(failures: dict[int, Failure]) -> list[str]:
+    lines = []
+    for rank in sorted(failures):
+        f = failures[rank]
+        body = f.traceback.strip() or f"{f.type_name}: {f.message}"
+        lines.append(f"--- rank {rank}: {f.type_name}: {f.message} ---\n{body}")
+    return lines
+
+
+def _kill(procs: list[Any], directory: Optional[str]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        proc.join(timeout=5)
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+_pools: dict[tuple[int, str], RankPool] = {}
+
+
+def get_pool(world_size: int, backend: str = "gloo") -> RankPool:
+    """The shared pool of ``world_size`` ranks, started on first use.
+
+    Args:
+        world_size: Number of ranks.
+        backend: Backend of the ranks' process group.
+    """
+    key = (world_size, backend)
+    pool = _pools.get(key)
+    if pool is None:
+        pool = _pools[key] = RankPool(world_size, backend)
+    return pool
+
+
+def shutdown_pools() -> None:
+    """Stop every shared pool (the pytest plugin calls this at the end of a session)."""
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()

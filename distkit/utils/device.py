@@ -1,0 +1,246 @@
+"""Which device a backend communicates on, and moving nested data there and back."""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+from distkit._compat import TORCH_WORLD, ProcessGroup, accelerator_current_index, backend_config
+
+__all__ = ["BACKEND_DEVICES", "cast_data_device", "get_comm_device", "get_data_device"]
+
+#: Device type each communication backend moves tensors on.
+BACKEND_DEVICES = {
+    "nccl": "cuda",
+    "gloo": "cpu",
+    "mpi": "cpu",
+    "ucc": "cpu",
+    "fake": "cpu",
+    "hccl": "npu",
+    "cncl": "mlu",
+    "mccl": "musa",
+    "xccl": "xpu",
+    "smddp": "cuda",
+}
+
+
+def device_of_type(device_type: str, pg: Any = None) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    bound = getattr(pg, "bound_device_id", None) if pg is not None else None
+    if bound is not None and bound.type == device_type:
+        return bound
+    return torch.device(device_type, accelerator_current_index(device_type))
+
+
+def backend_device_types(config: str) -> list[str]:
+    """Device types a backend config serves, the default one first.
+
+    ``config`` is a backend name (``nccl``) or torch's device map (``cpu:gloo,cuda:nccl``).
+    The default is the device of an accelerator backend when the map has one (``cuda``
+    for ``cpu:gloo,cuda:nccl``), else the CPU: torch reports a plain gloo group as
+    ``cpu:gloo,cuda:gloo``, and gloo's home is the CPU.
+    """
+    if ":" not in config:
+        return [BACKEND_DEVICES.get(config, "cpu")]
+    pairs = [part.split(":", 1) for part in config.split(",")]
+    native = [
+        dev.strip()
+        for dev, be in pairs
+        if dev.strip() != "cpu" and BACKEND_DEVICES.get(be.strip()) == dev.strip()
+    ]
+    rest = [dev.strip() for dev, _ in pairs if dev.strip() not in native]
+    return native + sorted(rest, key=lambda d: d != "cpu")
+
+
+def get_comm_device(group: Any = None, data: Any = None) -> torch.device:
+    """Return the device that ``group``'s backend communicates on.
+
+    nccl gives the current CUDA device (the group's bound device if it has one), gloo and
+    mpi give ``cpu``, hccl ``npu``, cncl ``mlu``, mccl ``musa``, xccl ``xpu``. A mixed group
+    such as ``cpu:gloo,cuda:nccl`` serves several device types: it prefers the device of
+    ``data`` when it can move it, else its accelerator.
+
+    Single process: returns ``cpu`` (there is no backend to serve).
+
+    Args:
+        group: ``None`` (default group), a ``ProcessGroup``, or a list of global ranks.
+        data: Optional tensor or nested tensors about to be communicated.
+
+    Returns:
+        The device to stage tensors on before communicating.
+
+    Examples:
+        >>> from distkit.utils import get_comm_device
+        >>> get_comm_device()
+        device(type='cpu')
+    """
+    world = TORCH_WORLD._default_pg
+    if world is None:
+        return torch.device("cpu")
+    if group is None:
+        pg = world
+    elif isinstance(group, ProcessGroup):
+        pg = group
+    else:
+        from distkit.utils.groups import get_group
+
+        pg = get_group(group)
+    types = backend_device_types(backend_config(pg).lower())
+    if data is not None and len(types) > 1:
+        data_type = _first_device(data)
+        if data_type is not None and data_type.type in types:
+            return device_of_type(data_type.type, pg)
+    return device_of_type(types[0], pg)
+
+
+def _first_device(data: Any) -> Optional[torch.device]:
+    if isinstance(data, Tensor):
+        return data.device
+    if isinstance(data, Mapping):
+        data = data.values()
+    elif not isinstance(data, (list, tuple)):
+        return None
+    for item in data:
+        found = _first_device(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _collect_devices(data: Any, found: set) -> None:
+    if isinstance(data, Tensor):
+        found.add(data.device)
+    elif isinstance(data, Mapping):
+        for v in data.values():
+            _collect_devices(v, found)
+    elif isinstance(data, (list, tuple, set, frozenset)):
+        for v in data:
+            _collect_devices(v, found)
+
+
+def get_data_device(data: Any) -> torch.device:
+    """Return the device of the tensors in ``data`` (a tensor or nested containers).
+
+    Args:
+        data: A tensor, or lists, tuples, namedtuples, sets and mappings holding tensors;
+            other leaves are ignored.
+
+    Returns:
+        The one device every tensor in ``data`` is on.
+
+    Raises:
+        ValueError: ``data`` holds no tensor, or tensors on different devices.
+
+    Examples:
+        >>> import torch
+        >>> from distkit.utils import get_data_device
+        >>> get_data_device({"a": torch.zeros(1), "b": [torch.ones(2), "label"]})
+        device(type='cpu')
+    """
+    found: set = set()
+    _collect_devices(data, found)
+    if not found:
+        raise ValueError(
+            f"get_data_device: data holds no tensor (got {type(data).__name__}); "
+            "pass a tensor or containers that hold tensors"
+        )
+    if len(found) > 1:
+        names = ", ".join(sorted(str(d) for d in found))
+        raise ValueError(
+            f"get_data_device: data holds tensors on different devices ({names}); "
+            "move them to one device first"
+        )
+    return found.pop()
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+
+
+def cast_data_device(data: Any, device: Union[torch.device, str], out: Any = None) -> Any:
+    """Return ``data`` with every tensor moved to ``device``, container types preserved.
+
+    Tensors already on ``device`` are returned as they are (not copied). Lists, tuples,
+    namedtuples, sets and mappings (``dict``, ``OrderedDict``, ``defaultdict`` with its
+    factory, other mapping types) are rebuilt with their own type; non-tensor leaves
+    pass through unchanged. ``data`` itself is never modified.
+
+    Args:
+        data: A tensor or nested containers holding tensors.
+        device: Where the tensors should go.
+        out: Optional structure like ``data`` whose tensors are overwritten in place with
+            the moved values (the way ``mmengine.dist.cast_data_device`` fills ``out``).
+
+    Returns:
+        A structure like ``data`` whose tensors live on ``device``.
+
+    Raises:
+        TypeError: ``out`` does not have the structure of ``data``.
+
+    Examples:
+        >>> import torch
+        >>> from collections import namedtuple
+        >>> from distkit.utils import cast_data_device
+        >>> Pair = namedtuple("Pair", "x y")
+        >>> cast_data_device(Pair(torch.ones(1), "meta"), "cpu")
+        Pair(x=tensor([1.]), y='meta')
+    """
+    device = torch.device(device)
+    if out is not None and type(out) is not type(data):
+        raise TypeError(
+            "cast_data_device: out must have the structure of data, got "
+            f"{type(out).__name__} for {type(data).__name__}"
+        )
+    if isinstance(data, Tensor):
+        moved = data if data.device == device else data.to(device)
+        if out is not None:
+            out.copy_(moved)
+        return moved
+    if isinstance(data, Mapping):
+        if out is not None and set(out.keys()) != set(data.keys()):
+            raise TypeError("cast_data_device: out must have the same keys as data")
+        items = {
+            k: cast_data_device(v, device, None if out is None else out[k]) for k, v in data.items()
+        }
+        return _rebuild_mapping(data, items)
+    if isinstance(data, (list, tuple)):
+        if out is not None and len(out) != len(data):
+            raise TypeError(f"cast_data_device: out has {len(out)} items but data has {len(data)}")
+        items = [
+            cast_data_device(v, device, None if out is None else out[i]) for i, v in enumerate(data)
+        ]
+        if _is_namedtuple(data):
+            return type(data)(*items)
+        if type(data) in (list, tuple):
+            return type(data)(items)
+        return _rebuild_sequence(data, items)
+    if isinstance(data, (set, frozenset)):
+        return type(data)(cast_data_device(v, device) for v in data)
+    return data
+
+
+def _rebuild_mapping(data: Mapping, items: dict) -> Mapping:
+    if type(data) is dict:
+        return items
+    if isinstance(data, defaultdict):
+        return type(data)(data.default_factory, items)
+    try:
+        rebuilt = copy.copy(data)
+        rebuilt.clear()  # type: ignore[attr-defined]
+        rebuilt.update(items)  # type: ignore[attr-defined]
+        return rebuilt
+    except (AttributeError, TypeError):
+        return type(data)(items)  # type: ignore[call-arg]
+
+
+def _rebuild_sequence(data: Any, items: list) -> Any:
+    try:
+        return type(data)(items)
+    except TypeError:
+        return items if isinstance(data, list) else tuple(items)

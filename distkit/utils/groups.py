@@ -1,0 +1,202 @@
+"""Process groups by rank list, cached per world, and a gloo twin for CPU traffic.
+
+Creating a process group is itself a collective: every rank of the default group must
+call :func:`get_group` (or the first collective that names the rank list) with the same
+arguments and in the same order, members of the new group or not. That is torch's
+``new_group`` contract; distkit only remembers the result.
+
+The cache belongs to one world. It is cleared by :func:`distkit.dist.destroy_dist`, and
+also, lazily, whenever the default process group it was filled under is no longer the
+current one (a user called ``torch.distributed.destroy_process_group`` and started a new
+world), so a group from a destroyed world is never handed out.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch.distributed as td
+
+from distkit._compat import TORCH_WORLD, ProcessGroup, backend_config, backend_name
+
+__all__ = ["clear_group_cache", "get_cpu_group", "get_group", "group_ranks"]
+
+_Key = tuple[tuple[int, ...], str]
+
+_groups: dict[_Key, Any] = {}
+# gloo twin of a group whose backend cannot move CPU tensors (nccl, hccl, ...)
+_cpu_twins: dict[Any, Any] = {}
+# the default process group the cache was filled under, held weakly: a group distkit
+# keeps alive past torch's destroy_process_group aborts the process at exit (see _comm)
+_owner: Optional[weakref.ref] = None
+
+
+def _cache_for(world: Any) -> dict[_Key, Any]:
+    global _owner
+    if _owner is None or _owner() is not world:
+        _groups.clear()
+        _cpu_twins.clear()
+        _owner = weakref.ref(world)
+    return _groups
+
+
+def _normalize_ranks(ranks: Iterable[int], world_size: int) -> tuple[int, ...]:
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+        raise TypeError(
+            f"get_group: ranks must be a list of global ranks, got {type(ranks).__name__}"
+        )
+    out = []
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"get_group: ranks must hold ints, got {r!r} ({type(r).__name__})")
+        if not 0 <= r < world_size:
+            raise ValueError(
+                f"get_group: rank {r} is out of range for a world of {world_size} "
+                f"rank{'s' if world_size != 1 else ''} (valid: 0..{world_size - 1})"
+            )
+        out.append(r)
+    if not out:
+        raise ValueError("get_group: ranks must not be empty")
+    if len(set(out)) != len(out):
+        raise ValueError(f"get_group: ranks must not repeat, got {out}")
+    return tuple(sorted(out))
+
+
+def supports_cpu(config: str) -> bool:
+    """Whether a backend config (``gloo``, ``cpu:gloo,cuda:nccl``, ...) moves CPU tensors."""
+    if ":" in config:
+        return any(part.split(":")[0].strip() == "cpu" for part in config.split(","))
+    return config in ("gloo", "mpi", "ucc", "fake")
+
+
+def get_group(
+    ranks: Iterable[int],
+    backend: Optional[str] = None,
+    *,
+    timeout: Union[timedelta, float, None] = None,
+) -> Optional[ProcessGroup]:
+    """Return the process group of ``ranks``, creating it on first use.
+
+    Collective: the first call for a given ``(ranks, backend)`` creates the group, and
+    every rank of the default group must make it, in the same order, members or not.
+    Later calls return the cached group without communicating.
+    Single process: ``ranks`` must be ``[0]``; returns ``None`` (the implicit world of
+    one rank, which every collective accepts as ``group``).
+
+    Args:
+        ranks: Global ranks of the members, in any order (group ranks follow sorted
+            order, as in ``torch.distributed.new_group``).
+        backend: Backend of the new group; ``None`` uses the default group's.
+        timeout: Timeout of the new group's collectives, in seconds or a timedelta;
+            ``None`` uses torch's default.
+
+    Returns:
+        The cached group. The whole world with the default backend is the default
+        group itself. On a rank outside ``ranks`` this is torch's non-member marker,
+        which collectives reject with a clear error.
+
+    Raises:
+        TypeError: ``ranks`` is not a list of ints.
+        ValueError: A rank is out of range or repeated, or ``ranks`` is empty.
+
+    Examples:
+        >>> from distkit.utils import get_group
+        >>> get_group([0]) is None
+        True
+    """
+    world = TORCH_WORLD._default_pg
+    if world is None:
+        _normalize_ranks(ranks, 1)
+        return None
+    key_ranks = _normalize_ranks(ranks, world.size())
+    default_backend = backend_name(world)
+    name = (backend or default_backend).lower()
+    if key_ranks == tuple(range(world.size())) and name == default_backend:
+        return world
+    cache = _cache_for(world)
+    pg = cache.get((key_ranks, name))
+    if pg is None:
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        pg = td.new_group(list(key_ranks), backend=backend, timeout=timeout)
+        cache[(key_ranks, name)] = pg
+        if isinstance(pg, ProcessGroup) and not supports_cpu(backend_config(pg)):
+            # Object collectives want a CPU channel; build it now, while every rank is
+            # here anyway, rather than later inside a collective that only members call.
+            _cpu_twins[pg] = get_group(key_ranks, "gloo", timeout=timeout)
+    return pg
+
+
+def get_cpu_group(group: Any = None) -> Optional[ProcessGroup]:
+    """Return a group over the same ranks as ``group`` that moves CPU tensors.
+
+    For gloo, mpi and mixed ``cpu:gloo,cuda:nccl`` groups this is ``group`` itself. For
+    nccl-like backends it is a cached gloo group over the same ranks: the default
+    group's twin is created on first use (collective, like :func:`get_group`), a
+    sub-group's when :func:`get_group` created it. Object collectives send their
+    pickled skeleton through it, so they never need a GPU for plain Python objects.
+
+    Collective: only when the gloo twin of the default group does not exist yet.
+    Single process: returns ``None``.
+
+    Args:
+        group: ``None`` (default group), a ``ProcessGroup``, or a list of global ranks.
+
+    Returns:
+        The group to use for CPU tensors, or ``None`` where a sub-group created
+        outside distkit has no gloo twin (callers then fall back to ``group``).
+
+    Examples:
+        >>> from distkit.utils import get_cpu_group
+        >>> get_cpu_group() is None
+        True
+    """
+    world = TORCH_WORLD._default_pg
+    if world is None:
+        return None
+    if group is None:
+        group = world
+    elif not isinstance(group, ProcessGroup):
+        group = get_group(group)
+    if supports_cpu(backend_config(group)):
+        return group
+    _cache_for(world)
+    twin = _cpu_twins.get(group)
+    if twin is None and group is world:
+        twin = get_group(range(world.size()), "gloo")
+        _cpu_twins[group] = twin
+    return twin
+
+
+def group_ranks(group: Any) -> list[int]:
+    """Global ranks of ``group``'s members, in group-rank order."""
+    return list(td.get_process_group_ranks(group))
+
+
+def clear_group_cache(destroy: bool = False) -> None:
+    """Forget every cached group; with ``destroy=True`` also destroy them in torch.
+
+    :func:`distkit.dist.destroy_dist` calls this. Destroying is collective for some
+    backends, so with ``destroy=True`` every rank must call it.
+
+    Args:
+        destroy: Also destroy the cached groups in torch (not the default group).
+    """
+    global _owner
+    pgs = [pg for pg in _groups.values() if isinstance(pg, ProcessGroup)]
+    _groups.clear()
+    _cpu_twins.clear()
+    _owner = None
+    if destroy and TORCH_WORLD._default_pg is not None:
+        for pg in pgs:
+            if pg is not TORCH_WORLD._default_pg:
+                td.destroy_process_group(pg)
+
+
+# Drop distkit's references before the interpreter finalizes, even when the user tore
+# the world down with torch's own destroy_process_group and never called destroy_dist.
+atexit.register(clear_group_cache)

@@ -1,0 +1,55 @@
+"""Running example scripts and launchers in subprocesses, with timeouts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The current environment minus launcher variables, with distkit importable."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            (
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_",
+                "MASTER_",
+                "SLURM_",
+                "OMPI_",
+                "PMI_",
+                "TORCHELASTIC",
+                "PYTEST_",
+            )
+        )
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], timeout: float = 180, **extra: str) -> subprocess.CompletedProcess:
+    """Run ``args`` (a ``python`` command when it starts with ``-m`` or a path)."""
+    cmd = [sys.executable, *args]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=script_env(**extra), capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, (
+        f"{' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n"
+        f"--- stderr\n{proc.stderr}"
+    )
+    return proc
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 180, **extra: str):
+    """``torchrun --standalone --nproc-per-node N``: a free port, never a fixed one."""
+    return run(
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args],
+        timeout=timeout,
+        **extra,
+    )

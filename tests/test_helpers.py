@@ -1,0 +1,127 @@
+"""all_reduce_dict, all_reduce_params, sync_random_seed, collect_results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import WORLDS
+from torch.utils.data import DistributedSampler
+
+import distkit.dist as dist
+from distkit.testing import ranks
+
+
+def world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+@ranks(*WORLDS)
+def test_all_reduce_dict_any_key_order():
+    rank, size = world()
+    items = [
+        ("loss", torch.tensor(float(rank))),
+        ("count", torch.tensor(rank + 1)),
+        ("vec", torch.ones(3) * rank),
+    ]
+    if rank % 2:
+        items.reverse()  # ranks built their dicts in different orders
+    data = dict(items)
+    tensors = dict(data)
+    out = dist.all_reduce_dict(data, op="sum")
+    assert out is data and all(out[k] is tensors[k] for k in data)  # updated in place
+    assert out["loss"].item() == sum(range(size))
+    assert out["count"].item() == sum(range(1, size + 1))
+    assert out["vec"].tolist() == [float(sum(range(size)))] * 3
+    mean = dist.all_reduce_dict({"a": torch.tensor(float(rank)), "b": torch.tensor([2.0])}, "mean")
+    assert mean["a"].item() == pytest.approx(sum(range(size)) / size)
+    assert mean["b"].tolist() == [2.0]
+    with pytest.raises(TypeError, match=r"data\['n'\] must be a torch.Tensor"):
+        dist.all_reduce_dict({"n": 3})
+    with pytest.raises(TypeError, match=r"op='mean' needs a floating-point .* data\['c'\]"):
+        dist.all_reduce_dict({"c": torch.tensor(1)}, op="mean")
+
+
+@ranks(*WORLDS)
+def test_all_reduce_params_buckets():
+    rank, size = world()
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    gathered = dist.all_gather_object(before)
+    out = dist.all_reduce_params(model.parameters(), bucket_size_mb=1e-5, op="mean")
+    assert [id(p) for p in out] == [id(p) for p in model.parameters()]
+    for i, p in enumerate(model.parameters()):
+        expected = sum(g[i] for g in gathered) / size
+        assert torch.allclose(p.detach(), expected)
+    counts = [torch.tensor([rank]), torch.tensor([1.0])]
+    dist.all_reduce_params(counts, coalesce=False)
+    assert counts[0].item() == sum(range(size)) and counts[1].item() == size
+
+
+@ranks(*WORLDS)
+def test_sync_random_seed_is_shared():
+    seeds = dist.all_gather_object(dist.sync_random_seed())
+    assert len(set(seeds)) == 1 and 0 <= seeds[0] < 2**31
+
+
+def sampler_results(size: int, rank: int, world_size: int, **kwargs):
+    """What rank evaluates under a DistributedSampler, as (index, value) results."""
+    sampler = DistributedSampler(range(size), num_replicas=world_size, rank=rank, **kwargs)
+    indices = list(sampler)
+    # a real None result for every index divisible by 7, to prove None survives
+    return indices, [None if i % 7 == 0 else {"i": i} for i in indices]
+
+
+def truth(size: int) -> list:
+    return [None if i % 7 == 0 else {"i": i} for i in range(size)]
+
+
+@ranks(*WORLDS)
+def test_collect_results_distributed_sampler_padding():
+    rank, size = world()
+    for n in (1, 10, 11, 23):  # divisible and not by the world size
+        _, results = sampler_results(n, rank, size, shuffle=False)
+        out = dist.collect_results(results, n)
+        assert out == (truth(n) if rank == 0 else None)
+        everywhere = dist.collect_results(results, n, dst=None)
+        assert everywhere == truth(n)
+
+
+@ranks(*WORLDS)
+def test_collect_results_contiguous_shards():
+    rank, size = world()
+    n = 23
+    bounds = [n * r // size for r in range(size + 1)]  # uneven contiguous blocks
+    mine = truth(n)[bounds[rank] : bounds[rank + 1]]
+    out = dist.collect_results(mine, n, order="contiguous", dst=size - 1)
+    assert out == (truth(n) if rank == size - 1 else None)
+
+
+@ranks(*WORLDS)
+def test_collect_results_by_indices_with_shuffle():
+    rank, size = world()
+    n = 17
+    indices, results = sampler_results(n, rank, size, shuffle=True, seed=3)
+    out = dist.collect_results(results, n, indices=indices, dst=None)
+    assert out == truth(n)
+
+
+@ranks(*WORLDS)
+def test_collect_results_errors():
+    rank, size = world()
+    _, results = sampler_results(10, rank, size, shuffle=False, drop_last=True)
+    if size in (3, 4):  # drop_last loses samples: reported on dst, not silently shortened
+        if rank == 0:
+            with pytest.raises(ValueError, match="fewer than size=10"):
+                dist.collect_results(results, 10)
+        else:
+            assert dist.collect_results(results, 10) is None
+    with pytest.raises(ValueError, match="unknown order 'zigzag'"):
+        dist.collect_results([], 0, order="zigzag")
+    with pytest.raises(ValueError, match="indices has 1 entries but results has 2"):
+        dist.collect_results([1, 2], 2, indices=[0])
+    with pytest.raises(TypeError, match="results must be a list"):
+        dist.collect_results("abc", 3)
+    with pytest.raises(ValueError, match="dataset indices were evaluated by no rank"):
+        dist.collect_results([rank], size + 1, indices=[rank], dst=None)
+    assert dist.collect_results_cpu(["a"] * 2, 1 * size) == (["a"] * size if rank == 0 else None)

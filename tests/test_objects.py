@@ -1,0 +1,238 @@
+"""Object collectives: nested tensors, sizes inline and overflowing, unpicklable data."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import WORLDS
+
+import distkit.dist as dist
+from distkit.dist import _torch_objects
+from distkit.testing import ranks
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@dataclasses.dataclass
+class Record:
+    name: str
+    values: torch.Tensor
+    extra: dict
+
+
+def world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def payload(rank: int) -> dict:
+    """An object whose size and contents depend on the rank (inline on some, not others)."""
+    base = torch.arange(12, dtype=torch.float64).view(3, 4) + rank
+    return {
+        "rank": rank,
+        "floats": torch.full((rank + 1, 2), rank + 0.5, dtype=torch.float32),
+        "half": torch.ones(3, dtype=torch.bfloat16) * rank,
+        "ints": torch.arange(rank * 5_000, dtype=torch.int64),  # 0 B up to 120 KiB
+        "bools": torch.tensor([rank % 2 == 0, True]),
+        "complex": torch.tensor([complex(rank, -rank)], dtype=torch.complex64),
+        "empty": torch.empty(0, 7),
+        "scalar": torch.tensor(rank * 1.5),
+        "transposed": base.t(),  # non-contiguous
+        "view": base[1:, ::2],  # a strided view into base
+        "base": base,
+        "same": None,  # filled below: the same tensor object twice
+        "point": Point(torch.tensor([rank]), "p"),
+        "record": Record(f"r{rank}", torch.tensor([rank, rank]), {"nested": [None, (1, 2)]}),
+        "text": "x" * (rank * 3_000),
+        "array": np.arange(rank * 400, dtype=np.float32),  # out-of-band above 1 KiB
+        "param": torch.nn.Parameter(torch.ones(2) * rank),
+        "grad": torch.ones(2, requires_grad=True),
+    }
+
+
+def expected(rank: int) -> dict:
+    p = payload(rank)
+    p["same"] = p["floats"]
+    return p
+
+
+def check_payload(got: dict, rank: int) -> None:
+    want = expected(rank)
+    assert set(got) == set(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert isinstance(got[key], torch.Tensor), key
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            assert torch.equal(got[key].detach(), value.detach()), key
+        elif key == "array":
+            assert np.array_equal(got[key], value)
+        elif key == "point":
+            assert isinstance(got[key], Point) and torch.equal(got[key].x, value.x)
+        elif key == "record":
+            assert got[key].name == value.name and got[key].extra == value.extra
+            assert torch.equal(got[key].values, value.values)
+        else:
+            assert got[key] == value, key
+    assert got["same"] is got["floats"], "one tensor object must arrive as one object"
+    assert isinstance(got["param"], torch.nn.Parameter)
+    assert got["grad"].requires_grad and not got["floats"].requires_grad
+
+
+def make(rank: int) -> dict:
+    p = payload(rank)
+    p["same"] = p["floats"]
+    return p
+
+
+@ranks(*WORLDS)
+def test_all_gather_object_nested_structures():
+    rank, size = world()
+    mine = make(rank)
+    out = dist.all_gather_object(mine)
+    assert len(out) == size and out[rank] is mine
+    for r, obj in enumerate(out):
+        check_payload(obj, r)
+
+
+@ranks(*WORLDS)
+def test_all_gather_object_plain_values_and_sizes():
+    rank, size = world()
+    assert dist.all_gather_object(rank) == list(range(size))
+    assert dist.all_gather_object(None) == [None] * size
+    big = ["y" * 1000] * (rank * 300)  # 0 B to 900 KB: inline and exact-size broadcasts
+    out = dist.all_gather_object(big)
+    assert [len(o) for o in out] == [r * 300 for r in range(size)]
+    assert all(o == ["y" * 1000] * (r * 300) for r, o in enumerate(out))
+    medium = "z" * (_torch_objects.INLINE_BYTES + 10 * rank)  # several medium overflows
+    assert dist.all_gather_object(medium) == [
+        "z" * (_torch_objects.INLINE_BYTES + 10 * r) for r in range(size)
+    ]
+
+
+@ranks(*WORLDS)
+def test_received_tensors_are_views_of_one_buffer_and_land_on_cpu():
+    rank = dist.get_rank()
+    out = dist.all_gather_object([torch.ones(4) * rank, torch.zeros(2)])
+    for r, (a, b) in enumerate(out):
+        assert a.device.type == "cpu" and a.tolist() == [float(r)] * 4
+        if r != rank:
+            assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            a += 1  # writable, and does not touch its neighbour
+            assert b.tolist() == [0.0, 0.0]
+    moved = dist.all_gather_object(torch.ones(1), map_location="cpu")
+    assert all(t.device.type == "cpu" for t in moved)
+
+
+@ranks(*WORLDS)
+def test_gather_object_to_dst():
+    rank, size = world()
+    dst = size - 1
+    mine = make(rank)
+    out = dist.gather_object(mine, dst=dst)
+    if rank == dst:
+        assert len(out) == size and out[rank] is mine
+        for r, obj in enumerate(out):
+            check_payload(obj, r)
+    else:
+        assert out is None
+
+
+@ranks(*WORLDS)
+def test_broadcast_object_list_in_place():
+    rank, size = world()
+    src = size - 1
+    objects = ["foo", 12, {1: 2}, make(src)] if rank == src else [None] * rank
+    out = dist.broadcast_object_list(objects, src=src)
+    assert out is objects and len(objects) == 4
+    assert objects[:3] == ["foo", 12, {1: 2}]
+    check_payload(objects[3], src)
+    large = [bytes(range(256)) * 1000] if rank == 0 else []
+    assert dist.broadcast_object_list(large) == [bytes(range(256)) * 1000]
+
+
+@ranks(*WORLDS)
+def test_broadcast_object():
+    rank, size = world()
+    obj = make(0) if rank == 0 else None
+    got = dist.broadcast_object(obj)
+    if rank == 0:
+        assert got is obj
+    check_payload(got, 0)
+    assert dist.broadcast_object(rank, src=size - 1) == size - 1
+
+
+@ranks(*WORLDS)
+def test_scatter_object_list():
+    rank, size = world()
+    src = size // 2
+    data = [make(r) for r in range(size)] if rank == src else None
+    got = dist.scatter_object_list(data, src=src)
+    check_payload(got, rank)
+    if rank == src:
+        assert got is data[src]
+    small = dist.scatter_object_list([f"to {r}" for r in range(size)] if rank == 0 else None)
+    assert small == f"to {rank}"
+
+
+@ranks(*WORLDS)
+def test_all_to_all_object():
+    rank, size = world()
+    data = [
+        {"from": rank, "to": d, "t": torch.full((d + 1,), rank), "pad": "w" * (rank * d * 3000)}
+        for d in range(size)
+    ]
+    out = dist.all_to_all_object(data)
+    assert out[rank] is data[rank]
+    for src, obj in enumerate(out):
+        assert obj["from"] == src and obj["to"] == rank
+        assert obj["t"].tolist() == [src] * (rank + 1) and len(obj["pad"]) == src * rank * 3000
+    assert dist.all_to_all_object([rank] * size) == list(range(size))
+
+
+@ranks(*WORLDS)
+def test_unpicklable_object_fails_on_every_rank():
+    rank, size = world()
+    bad = {"ok": 1, "lock": threading.Lock()}
+    where = f"(on rank {rank} of {size})"
+    # everyone passes something unpicklable
+    with pytest.raises(TypeError, match=r"data\['lock'\] \(lock\) cannot be pickled") as info:
+        dist.all_gather_object(bad)
+    assert where in str(info.value)
+    with pytest.raises(TypeError, match=r"data\[1\]\[0\] \(function\) cannot be pickled"):
+        dist.gather_object([1, [lambda: 0]])
+    if size > 1:
+        # only the last rank's object is bad: it names its object, the others name it
+        last = size - 1
+        obj = bad if rank == last else {"ok": rank}
+        with pytest.raises(TypeError) as info:
+            dist.all_gather_object(obj)
+        if rank == last:
+            assert "data['lock'] (lock) cannot be pickled" in str(info.value)
+        else:
+            assert f"rank {last} could not send its object: all_gather_object" in str(info.value)
+        with pytest.raises(TypeError):
+            dist.broadcast_object(bad if rank == 0 else None)
+        rows = [bad if d == 0 else d for d in range(size)] if rank == last else list(range(size))
+        with pytest.raises(TypeError, match=r"could not send|cannot be pickled"):
+            dist.all_to_all_object(rows)
+    # the group still works
+    assert dist.all_gather_object(rank) == list(range(size))
+
+
+@ranks(*WORLDS)
+def test_object_argument_errors():
+    rank, size = world()
+    with pytest.raises(TypeError, match="broadcast_object_list: data must be a list"):
+        dist.broadcast_object_list("not a list")
+    with pytest.raises(ValueError, match=f"data must hold {size} objects"):
+        dist.all_to_all_object([1] * (size + 1))
+    with pytest.raises(ValueError, match="dst=-1 is out of range"):
+        dist.gather_object(1, dst=-1)
+    if rank == 0:
+        with pytest.raises(TypeError, match="scatter_object_list: data must be a list"):
+            dist.scatter_object_list(None)
+    assert dist.all_gather_object(rank) == list(range(size))

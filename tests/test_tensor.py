@@ -1,0 +1,301 @@
+"""Tensor collectives: each check runs with no process group and on 1 to 4 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import WORLDS
+
+import distkit.dist as dist
+from distkit.testing import ranks
+
+
+def world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+@ranks(*WORLDS)
+def test_all_reduce_every_op():
+    rank, size = world()
+    values = [r + 1 for r in range(size)]
+    cases = {
+        "sum": sum(values),
+        "SUM": sum(values),
+        "max": max(values),
+        "Min": min(values),
+        "product": torch.tensor(values).prod().item(),
+    }
+    for op, expected in cases.items():
+        t = torch.tensor([rank + 1, 10 * (rank + 1)])
+        out = dist.all_reduce(t, op=op)
+        assert out is t, "all_reduce must fill and return the caller's tensor"
+        factor = 10 if op != "product" else 10**size
+        assert t.tolist() == [expected, expected * factor], op
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, op="mean")
+    assert t.item() == pytest.approx(sum(range(size)) / size)
+    bits = torch.tensor([1 << rank, 0b1111], dtype=torch.int32)
+    assert dist.all_reduce(bits.clone(), op="bor").tolist() == [(1 << size) - 1, 0b1111]
+    assert dist.all_reduce(bits.clone(), op="band").tolist() == [1 if size == 1 else 0, 0b1111]
+    xor = 0
+    for r in range(size):
+        xor ^= 1 << r
+    assert dist.all_reduce(bits.clone(), op="bxor").tolist()[0] == xor
+    t = torch.tensor([rank])
+    assert dist.all_reduce(t, op=dist.ReduceOp.MAX).item() == size - 1
+
+
+@ranks(*WORLDS)
+def test_all_reduce_keeps_device_dtype_and_layout():
+    rank, size = world()
+    base = torch.arange(6, dtype=torch.float64).view(2, 3) * (rank + 1)
+    t = base.t()  # non-contiguous: reduced in a staged copy, written back in place
+    out = dist.all_reduce(t)
+    assert out is t and not t.is_contiguous()
+    expected = torch.arange(6, dtype=torch.float64).view(2, 3).t() * sum(range(1, size + 1))
+    assert torch.equal(t, expected)
+    z = torch.tensor(complex(rank, 1))
+    assert dist.all_reduce(z, "mean").item() == pytest.approx(complex(sum(range(size)) / size, 1))
+    empty = torch.empty(0, 3)
+    assert dist.all_reduce(empty).shape == (0, 3)
+
+
+@ranks(*WORLDS)
+def test_all_reduce_async_handle_returns_the_result():
+    rank, size = world()
+    t = torch.tensor([rank + 1.0])
+    handle = dist.all_reduce(t, async_op=True)
+    out = handle.wait()
+    assert out is t and t.item() == sum(range(1, size + 1))
+    assert handle.is_completed()
+    assert handle.wait() is t  # waiting again returns the same result
+
+
+@ranks(*WORLDS)
+def test_all_gather_uneven_shapes_and_own_entry():
+    rank, size = world()
+    mine = torch.arange((rank + 1) * 2, dtype=torch.float32).view(rank + 1, 2) + rank
+    out = dist.all_gather(mine)
+    assert len(out) == size and out[rank] is mine
+    for r, t in enumerate(out):
+        assert torch.equal(t, torch.arange((r + 1) * 2, dtype=torch.float32).view(r + 1, 2) + r)
+    # different numbers of dims, and a 0-dim tensor
+    mine = torch.tensor(rank) if rank % 2 == 0 else torch.full((rank, 1, 2), rank)
+    out = dist.all_gather(mine)
+    for r, t in enumerate(out):
+        assert t.shape == (() if r % 2 == 0 else (r, 1, 2)) and bool((t == r).all())
+
+
+@ranks(*WORLDS)
+def test_all_gather_large_and_equal_shapes():
+    rank, size = world()
+    big = torch.full(((rank + 1) * 70_000,), rank, dtype=torch.int32)  # 280 KiB+: broadcasts
+    out = dist.all_gather(big)
+    assert [t.numel() for t in out] == [(r + 1) * 70_000 for r in range(size)]
+    assert all(bool((t == r).all()) for r, t in enumerate(out))
+    same = torch.full((3, 2), float(rank))
+    out = dist.all_gather(same, async_op=True).wait()
+    assert [t.tolist() for t in out] == [[[float(r)] * 2] * 3 for r in range(size)]
+
+
+@ranks(2, 3)
+def test_all_gather_dtype_mismatch_fails_on_every_rank():
+    rank = dist.get_rank()
+    t = torch.zeros(2, dtype=torch.int64 if rank == 1 else torch.float32)
+    with pytest.raises(TypeError, match="ranks sent different dtypes"):
+        dist.all_gather(t)
+    assert dist.all_gather(torch.ones(1))[rank].item() == 1  # the group still works
+
+
+@ranks(*WORLDS)
+def test_gather_uneven_to_last_rank():
+    rank, size = world()
+    dst = size - 1
+    mine = torch.arange(rank + 2)
+    out = dist.gather(mine, dst=dst)
+    if rank == dst:
+        assert [t.tolist() for t in out] == [list(range(r + 2)) for r in range(size)]
+        assert out[rank] is mine
+    else:
+        assert out == []
+    even = dist.gather(torch.tensor([rank]), dst=0)
+    assert [t.item() for t in even] == (list(range(size)) if rank == 0 else [])
+
+
+@ranks(*WORLDS)
+def test_broadcast_in_place_from_last_rank():
+    rank, size = world()
+    t = torch.tensor([rank, rank * 2])
+    out = dist.broadcast(t, src=size - 1)
+    assert out is t and t.tolist() == [size - 1, 2 * (size - 1)]
+    h = dist.broadcast(torch.tensor([float(rank)]), src=0, async_op=True)
+    assert h.wait().item() == 0.0
+
+
+@ranks(*WORLDS)
+def test_reduce_to_dst_leaves_other_inputs_alone():
+    rank, size = world()
+    dst = size // 2
+    t = torch.tensor([float(rank + 1)] * 4)
+    out = dist.reduce(t, dst=dst, op="sum")
+    assert out is t
+    if rank == dst:
+        assert t.tolist() == [float(sum(range(1, size + 1)))] * 4
+    else:
+        assert t.tolist() == [float(rank + 1)] * 4
+    m = dist.reduce(torch.tensor([float(rank)]), dst=0, op="mean")
+    if rank == 0:
+        assert m.item() == pytest.approx(sum(range(size)) / size)
+
+
+@ranks(*WORLDS)
+def test_reduce_scatter_list_and_tensor():
+    rank, size = world()
+    chunks = [torch.tensor([float(r), 1.0]) * (rank + 1) for r in range(size)]
+    out = dist.reduce_scatter(chunks)
+    total = sum(range(1, size + 1))
+    assert out.tolist() == [float(rank * total), float(total)]
+    assert chunks[rank].tolist() == [float(rank * (rank + 1)), float(rank + 1)]  # untouched
+    flat = torch.arange(size * 2, dtype=torch.float32)
+    out = dist.reduce_scatter(flat, op="mean")
+    assert out.tolist() == [float(2 * rank), float(2 * rank + 1)]
+    assert out.data_ptr() != flat.data_ptr()
+    out = dist.reduce_scatter([torch.tensor(r) for r in range(size)], op="max", async_op=True)
+    assert out.wait().item() == rank
+
+
+@ranks(*WORLDS)
+def test_all_to_all_uneven_shapes():
+    rank, size = world()
+    data = [torch.full((rank + 1, dst + 1), rank * 10 + dst) for dst in range(size)]
+    out = dist.all_to_all(data)
+    assert out[rank] is data[rank]
+    for src, t in enumerate(out):
+        assert t.shape == (src + 1, rank + 1) and bool((t == src * 10 + rank).all())
+    h = dist.all_to_all([torch.tensor([rank * size + d]) for d in range(size)], async_op=True)
+    assert [t.item() for t in h.wait()] == [s * size + rank for s in range(size)]
+
+
+@ranks(*WORLDS)
+def test_all_to_all_single_splits():
+    rank, size = world()
+    # rank r sends (d + 1) rows to rank d; output sizes inferred
+    splits = [d + 1 for d in range(size)]
+    data = torch.cat([torch.full((d + 1, 2), rank * 100 + d) for d in range(size)])
+    out = dist.all_to_all_single(data, input_split_sizes=splits)
+    assert out.shape == (size * (rank + 1), 2)
+    expected = torch.cat([torch.full((rank + 1, 2), s * 100 + rank) for s in range(size)])
+    assert torch.equal(out, expected)
+    given = dist.all_to_all_single(data, [rank + 1] * size, splits)
+    assert torch.equal(given, expected)
+    even = dist.all_to_all_single(torch.arange(size) + rank * size)
+    assert even.tolist() == [s * size + rank for s in range(size)]
+    assert even.data_ptr() != data.data_ptr()
+
+
+@ranks(*WORLDS)
+def test_scatter_uneven_from_src():
+    rank, size = world()
+    src = size - 1
+    data = [torch.arange(r + 1) * 3 for r in range(size)] if rank == src else None
+    out = dist.scatter(data, src=src)
+    assert out.tolist() == [3 * i for i in range(rank + 1)]
+    if rank == src:
+        assert out is data[src]
+    even = dist.scatter([torch.tensor([r]) for r in range(size)] if rank == 0 else None)
+    assert even.item() == rank
+    h = dist.scatter([torch.ones(2) * r for r in range(size)] if rank == 0 else None, async_op=True)
+    assert h.wait().tolist() == [float(rank)] * 2
+
+
+@ranks(*WORLDS)
+def test_barrier_and_rank_list_groups():
+    rank, size = world()
+    dist.barrier()
+    everyone = list(range(size))
+    assert dist.all_reduce(torch.tensor([1]), group=everyone).item() == size
+    assert dist.get_world_size(everyone) == size and dist.get_rank(everyone) == rank
+    if size >= 3:
+        evens = [r for r in range(size) if r % 2 == 0]
+        from distkit.utils import get_group
+
+        group = get_group(evens)  # collective: every rank creates it
+        assert get_group(list(reversed(evens))) is group  # cached, order-insensitive
+        if rank in evens:
+            out = dist.all_gather(torch.tensor([rank]), group=evens)
+            assert [t.item() for t in out] == evens
+            assert dist.get_rank(evens) == evens.index(rank)
+            b = dist.broadcast(torch.tensor([rank]), src=1, group=group)
+            assert b.item() == evens[1]
+        else:
+            with pytest.raises(ValueError, match="not a member of group"):
+                dist.all_gather(torch.tensor([rank]), group=evens)
+
+
+# -- bad arguments: the same error in every world ------------------------------------
+
+
+def raises(exc, fn, *args, **kwargs) -> str:
+    with pytest.raises(exc) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+@ranks(*WORLDS)
+def test_bad_arguments_fail_before_communicating():
+    rank, size = world()
+    where = f"(on rank {rank} of {size})"
+    t = torch.ones(2)
+    msg = raises(TypeError, dist.all_reduce, [1, 2])
+    assert (
+        msg.startswith("all_reduce: data must be a torch.Tensor, got a list of 2") and where in msg
+    )
+    msg = raises(ValueError, dist.all_reduce, t, op="median")
+    assert msg.startswith("all_reduce: unknown op 'median'") and "sum, mean, max" in msg
+    msg = raises(TypeError, dist.all_reduce, torch.ones(2, dtype=torch.int64), op="mean")
+    assert "op='mean' needs a floating-point or complex" in msg and where in msg
+    msg = raises(TypeError, dist.all_reduce, t, op="bxor")
+    assert "needs an integer or bool" in msg
+    msg = raises(TypeError, dist.all_reduce, torch.ones(1, dtype=torch.complex64), op="max")
+    assert "not defined for complex" in msg
+    msg = raises(ValueError, dist.broadcast, t, src=size)
+    assert f"broadcast: src={size} is out of range for a group of {size} rank" in msg
+    assert f"from 0 to {size - 1}" in msg
+    raises(ValueError, dist.reduce, t, dst=-1)
+    raises(TypeError, dist.gather, t, dst="0")
+    msg = raises(ValueError, dist.all_to_all, [t] * (size + 1))
+    assert f"data must hold {size} tensors (one per rank), got {size + 1}" in msg
+    raises(TypeError, dist.all_to_all, t)
+    if size > 1:
+        msg = raises(
+            TypeError, dist.all_to_all, [t] * (size - 1) + [torch.ones(2, dtype=torch.int8)]
+        )
+        assert f"data mixes dtypes: data[0] is torch.float32, data[{size - 1}] is torch.int8" in msg
+    if size > 1:
+        msg = raises(
+            ValueError, dist.reduce_scatter, [torch.ones(2)] * (size - 1) + [torch.ones(3)]
+        )
+        assert "data mixes shapes: data[0] is (2,), data[" in msg
+    if size > 1:
+        msg = raises(ValueError, dist.reduce_scatter, torch.ones(size * 2 + 1))
+        assert "does not divide evenly by the group size" in msg
+    msg = raises(ValueError, dist.reduce_scatter, torch.tensor(1.0))
+    assert "does not divide evenly" in msg
+    rows = torch.arange(size * 2)
+    msg = raises(ValueError, dist.all_to_all_single, rows, input_split_sizes=[3] * size)
+    assert f"input_split_sizes {[3] * size} sums to {3 * size}, but the tensor has" in msg
+    msg = raises(
+        ValueError, dist.all_to_all_single, rows, input_split_sizes=[-1] + [0] * (size - 1)
+    )
+    assert "input_split_sizes[0]=-1 is negative" in msg
+    msg = raises(ValueError, dist.all_to_all_single, rows, input_split_sizes=[2] * (size + 1))
+    assert f"must hold {size} sizes" in msg
+    raises(TypeError, dist.all_to_all_single, rows, output_split_sizes=[1.5] * size)
+    raises(TypeError, dist.all_gather, "tensor")
+    raises(TypeError, dist.all_gather, t, group="world")
+    msg = raises(ValueError, dist.all_gather, t, group=[0, size])
+    assert f"rank {size} is out of range" in msg
+    if rank == 0:
+        raises(ValueError, dist.scatter, [t] * (size + 1), src=0)
+    # after all those errors, the group still works: nothing was half-sent
+    assert dist.all_reduce(torch.ones(1)).item() == size

@@ -1,0 +1,155 @@
+"""distkit.utils: devices, moving nested data, and the group cache."""
+
+from __future__ import annotations
+
+import collections
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as td
+
+import distkit.dist as dist
+from distkit.testing import ranks
+from distkit.utils import (
+    cast_data_device,
+    get_comm_device,
+    get_cpu_group,
+    get_data_device,
+    get_group,
+)
+from distkit.utils.device import backend_device_types
+from distkit.utils.groups import supports_cpu
+
+
+@pytest.mark.parametrize(
+    ("config", "types"),
+    [
+        ("nccl", ["cuda"]),
+        ("gloo", ["cpu"]),
+        ("mpi", ["cpu"]),
+        ("hccl", ["npu"]),
+        ("cncl", ["mlu"]),
+        ("mccl", ["musa"]),
+        ("xccl", ["xpu"]),
+        ("cpu:gloo,cuda:nccl", ["cuda", "cpu"]),
+        ("cpu:gloo,cuda:gloo", ["cpu", "cuda"]),  # how torch reports a plain gloo group
+        ("cpu:gloo,npu:hccl", ["npu", "cpu"]),
+    ],
+)
+def test_backend_device_types(config, types):
+    assert backend_device_types(config) == types
+
+
+def test_supports_cpu():
+    assert supports_cpu("gloo") and supports_cpu("cpu:gloo,cuda:nccl")
+    assert not supports_cpu("nccl") and not supports_cpu("cuda:nccl")
+
+
+def test_comm_device_without_process_group():
+    assert get_comm_device() == torch.device("cpu")
+    assert get_cpu_group() is None and get_group([0]) is None
+
+
+def test_data_device_nested_and_errors():
+    data = {"a": [torch.zeros(1), ("x", torch.ones(2))], "b": 3}
+    assert get_data_device(data) == torch.device("cpu")
+    with pytest.raises(ValueError, match="holds no tensor"):
+        get_data_device({"a": 1})
+    if torch.backends.mps.is_available() or torch.cuda.is_available():  # pragma: no cover
+        other = "cuda" if torch.cuda.is_available() else "mps"
+        with pytest.raises(ValueError, match="different devices"):
+            get_data_device([torch.zeros(1), torch.zeros(1, device=other)])
+
+
+Pair = collections.namedtuple("Pair", "x y")
+
+
+def test_cast_data_device_preserves_types():
+    t = torch.ones(2)
+    data = {
+        "pair": Pair(t, "meta"),
+        "ordered": collections.OrderedDict(b=t, a=[t, 1]),
+        "default": collections.defaultdict(list, {"k": t}),
+        "tuple": (t, None),
+        "set": {1, 2},
+    }
+    out = cast_data_device(data, "cpu")
+    assert type(out["pair"]) is Pair and out["pair"].y == "meta" and out["pair"].x is t
+    assert type(out["ordered"]) is collections.OrderedDict
+    assert list(out["ordered"]) == ["b", "a"]
+    assert type(out["default"]) is collections.defaultdict
+    assert out["default"].default_factory is list
+    assert type(out["tuple"]) is tuple and out["set"] == {1, 2}
+    assert out is not data  # containers are rebuilt, tensors on the device kept as they are
+    target = {"x": torch.zeros(2)}
+    cast_data_device({"x": torch.full((2,), 3.0)}, "cpu", out=target)
+    assert target["x"].tolist() == [3.0, 3.0]
+    with pytest.raises(TypeError, match="out must have the structure of data"):
+        cast_data_device([t], "cpu", out=(t,))
+
+
+@pytest.mark.parametrize(
+    ("ranks_arg", "error", "match"),
+    [
+        ([1], ValueError, "rank 1 is out of range for a world of 1 rank"),
+        ([], ValueError, "must not be empty"),
+        ([0, 0], ValueError, "must not repeat"),
+        (["0"], TypeError, "must hold ints"),
+        (3, TypeError, "must be a list of global ranks"),
+    ],
+)
+def test_get_group_bad_ranks(ranks_arg, error, match):
+    with pytest.raises(error, match=match):
+        get_group(ranks_arg)
+
+
+@ranks(1, 2, 3)
+def test_group_cache_and_cpu_group():
+    size = dist.get_world_size()
+    world = dist.get_default_group()
+    assert get_group(range(size)) is world  # the whole world is the default group
+    assert get_cpu_group() is world  # gloo moves CPU tensors itself
+    assert get_comm_device() == torch.device("cpu")
+    if size > 1:
+        g = get_group([0, size - 1])
+        assert get_group((size - 1, 0)) is g
+        assert get_group([0, size - 1], backend="gloo") is g  # default backend named
+        if dist.get_rank() in (0, size - 1):
+            assert dist.get_backend(g) == "gloo"
+        else:
+            with pytest.raises(ValueError, match="is not a member of the group"):
+                dist.get_backend(g)
+
+
+def _new_world(path: str, rank: int, size: int) -> None:
+    td.init_process_group("gloo", store=td.FileStore(path, size), rank=rank, world_size=size)
+
+
+@ranks(2, timeout=20)
+def test_cache_never_hands_out_a_group_from_a_destroyed_world():
+    rank, size = dist.get_rank(), dist.get_world_size()
+    path = dist.broadcast_object(tempfile.mktemp(prefix="distkit-world-") if rank == 0 else None)
+    old = get_group([1])
+    # a user bypasses distkit: torch's own destroy and init
+    td.destroy_process_group()
+    _new_world(path, rank, size)
+    try:
+        new = get_group([1])
+        if rank == 1:  # rank 0 is no member: it holds torch's non-member marker both times
+            assert new is not old and new.rank() == 0
+        assert dist.all_gather_object(rank) == [0, 1]
+        if rank == 1:
+            with pytest.raises(ValueError, match="destroyed"):
+                dist.all_gather(torch.ones(1), group=old)
+        # destroy_dist forgets the cache and the world
+        dist.destroy_dist()
+        assert not dist.is_distributed() and dist.get_world_size() == 1
+        assert dist.all_gather_object(rank) == [rank]  # single-process again
+    finally:
+        if td.is_initialized():
+            td.destroy_process_group()
+        if os.path.exists(path):
+            os.remove(path)
+    # the pool notices its world is gone and starts a fresh one for the next test
