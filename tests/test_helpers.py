@@ -125,3 +125,36 @@ def test_collect_results_errors():
     with pytest.raises(ValueError, match="dataset indices were evaluated by no rank"):
         dist.collect_results([rank], size + 1, indices=[rank], dst=None)
     assert dist.collect_results_cpu(["a"] * 2, 1 * size) == (["a"] * size if rank == 0 else None)
+
+
+@ranks(2, timeout=120)
+def test_collect_results_one_million_results_per_rank():
+    rank, size = world()
+    n = 1_000_000
+    results = [{"i": i * size + rank} for i in range(n)]
+    out = dist.collect_results(results, n * size)
+    if rank == 0:
+        assert len(out) == n * size
+        assert all(item["i"] == i for i, item in enumerate(out))
+    else:
+        assert out is None
+
+
+@ranks(1, 2, 3)
+def test_collect_results_shows_progress_on_the_receiver_only():
+    rank, size = world()
+    from distkit.dist import evaluation
+
+    calls = []
+    original = evaluation.track
+
+    def recording_track(iterable, description, **kwargs):
+        calls.append((description, kwargs.get("delay")))
+        return original(iterable, description, **kwargs)
+
+    evaluation.track = recording_track
+    try:
+        dist.collect_results([rank] * 10, 10 * size, dst=size - 1)
+    finally:
+        evaluation.track = original
+    assert calls == ([("collect_results", 1.0)] if rank == size - 1 else [])

@@ -299,3 +299,20 @@ def test_bad_arguments_fail_before_communicating():
         raises(ValueError, dist.scatter, [t] * (size + 1), src=0)
     # after all those errors, the group still works: nothing was half-sent
     assert dist.all_reduce(torch.ones(1)).item() == size
+
+
+@ranks(*WORLDS)
+def test_same_shape_skips_the_shape_round():
+    rank, size = world()
+    t = torch.full((2, 3), float(rank))
+    out = dist.all_gather(t, same_shape=True)
+    assert out[rank] is t and [o[0, 0].item() for o in out] == [float(r) for r in range(size)]
+    big = torch.full((70_000,), rank, dtype=torch.int32)  # the broadcast path
+    assert [o[0].item() for o in dist.all_gather(big, same_shape=True)] == list(range(size))
+    g = dist.gather(torch.tensor([rank, rank]), dst=size - 1, same_shape=True)
+    assert [o.tolist() for o in g] == ([[r, r] for r in range(size)] if rank == size - 1 else [])
+    rows = dist.all_to_all([torch.tensor([rank * 10 + d]) for d in range(size)], same_shape=True)
+    assert [o.item() for o in rows] == [s * 10 + rank for s in range(size)]
+    if size > 1:
+        with pytest.raises(ValueError, match="data mixes shapes"):
+            dist.all_to_all([torch.ones(1)] * (size - 1) + [torch.ones(2)], same_shape=True)

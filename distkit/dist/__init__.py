@@ -7,6 +7,7 @@ compatible signature. This module only re-exports; see the submodules for the co
 from distkit._compat import ReduceOp
 from distkit.dist._comm import GroupLike
 from distkit.dist._handle import Handle
+from distkit.dist._serial import UnsafeObjectError, get_serializer, set_serializer
 from distkit.dist.evaluation import collect_results, collect_results_cpu, collect_results_gpu
 from distkit.dist.helpers import all_reduce_dict, all_reduce_params, sync_random_seed
 from distkit.dist.init import default_backend, destroy_dist, infer_launcher, init_dist
@@ -50,6 +51,7 @@ __all__ = [
     "GroupLike",
     "Handle",
     "ReduceOp",
+    "UnsafeObjectError",
     "all_gather",
     "all_gather_object",
     "all_reduce",
@@ -79,6 +81,7 @@ __all__ = [
     "get_local_rank",
     "get_local_size",
     "get_rank",
+    "get_serializer",
     "get_world_size",
     "infer_launcher",
     "init_dist",
@@ -90,5 +93,6 @@ __all__ = [
     "reduce_scatter",
     "scatter",
     "scatter_object_list",
+    "set_serializer",
     "sync_random_seed",
 ]

@@ -37,22 +37,41 @@ GroupLike = Union[None, ProcessGroup, list, tuple, range]
 
 
 class _GroupFacts:
-    """What distkit learns about a process group once: backend, devices, member ranks."""
+    """What distkit learns about a process group once: size, rank, backend, devices."""
 
-    __slots__ = ("__weakref__", "backend", "ranks", "types")
+    __slots__ = ("backend", "cpu_home", "rank", "ranks", "ref", "size", "types")
 
-    def __init__(self) -> None:
-        self.backend: Optional[str] = None
-        self.types: Optional[list[str]] = None
+    def __init__(self, pg: Any) -> None:
+        self.ref = weakref.ref(pg, _forget)
+        self.rank: int = pg.rank()
+        self.size: int = pg.size()
+        self.backend: str = backend_name(pg)
+        self.types: list[str] = backend_device_types(backend_config(pg))
+        # gloo-like groups stage CPU tensors on the CPU: the common case, checked first
+        self.cpu_home: bool = self.types[0] == "cpu"
         self.ranks: Optional[list[int]] = None
 
 
-# Keyed weakly: distkit never keeps a process group alive. A group that outlives
-# torch's destroy_process_group is finalized during interpreter shutdown, when gloo's
-# worker threads can no longer be joined, and the process aborts with "terminate called
-# without an active exception" (pytorch#179291); holding one reference past destroy made
-# 12 of 20 four-rank torchrun runs on this project's machine end that way.
-_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Keyed by id and holding the group only weakly: distkit never keeps a process group
+# alive. A group that outlives torch's destroy_process_group is finalized during
+# interpreter shutdown, when gloo's worker threads can no longer be joined, and the
+# process aborts with "terminate called without an active exception" (pytorch#179291);
+# holding one reference past destroy made 12 of 20 four-rank torchrun runs on this
+# project's machine end that way. An entry goes away with its group.
+_FACTS: dict[int, _GroupFacts] = {}
+
+
+def _forget(ref: weakref.ref) -> None:
+    for key, facts in list(_FACTS.items()):
+        if facts.ref is ref:
+            del _FACTS[key]
+
+
+def _facts(pg: Any) -> _GroupFacts:
+    facts = _FACTS.get(id(pg))
+    if facts is None or facts.ref() is not pg:
+        facts = _FACTS[id(pg)] = _GroupFacts(pg)
+    return facts
 
 
 class Comm:
@@ -63,17 +82,18 @@ class Comm:
 
     __slots__ = ("_facts", "impl", "pg", "rank", "size")
 
-    def __init__(self, pg: Any, rank: int, size: int, impl: ModuleType) -> None:
+    def __init__(self, pg: Any, rank: int, size: int, impl: ModuleType,
+                 facts: Optional[_GroupFacts] = None) -> None:
         self.pg = pg
         self.rank = rank
         self.size = size
         self.impl = impl
-        facts = None
-        if pg is not None:
-            facts = _FACTS.get(pg)
-            if facts is None:
-                facts = _FACTS[pg] = _GroupFacts()
         self._facts = facts
+
+    @property
+    def cpu_home(self) -> bool:
+        """Whether tensors are staged on the CPU by default (gloo, mpi, no group)."""
+        return self._facts is None or self._facts.cpu_home
 
     def global_ranks(self) -> list[int]:
         """Global rank of each group rank."""
@@ -91,22 +111,21 @@ class Comm:
     @property
     def backend(self) -> Optional[str]:
         """Lower-case backend string of the group (``None`` in a single process)."""
-        if self.pg is None:
-            return None
-        if self._facts.backend is None:
-            self._facts.backend = backend_name(self.pg)
-        return self._facts.backend
+        return None if self._facts is None else self._facts.backend
 
     def device(self, data: Optional[Tensor] = None) -> torch.device:
         """The device to stage tensors on (see :func:`distkit.utils.get_comm_device`)."""
-        if self.pg is None:
+        facts = self._facts
+        if facts is None:
             return _CPU
-        types = self._facts.types
-        if types is None:
-            types = self._facts.types = backend_device_types(backend_config(self.pg))
-        if len(types) > 1 and data is not None and data.device.type in types:
-            return device_of_type(data.device.type, self.pg)
-        return _CPU if types[0] == "cpu" else device_of_type(types[0], self.pg)
+        types = facts.types
+        if data is not None and len(types) > 1:
+            if data.is_cpu:
+                if "cpu" in types:
+                    return _CPU
+            elif data.device.type in types:
+                return device_of_type(data.device.type, self.pg)
+        return _CPU if facts.cpu_home else device_of_type(types[0], self.pg)
 
     def __repr__(self) -> str:
         return f"Comm(rank={self.rank}, size={self.size}, backend={self.backend})"
@@ -117,7 +136,8 @@ NO_GROUP = Comm(None, 0, 1, _single)
 
 
 def _comm_of(pg: Any) -> Comm:
-    return Comm(pg, pg.rank(), pg.size(), _torch)
+    facts = _facts(pg)
+    return Comm(pg, facts.rank, facts.size, _torch, facts)
 
 
 def resolve(group: Any, fn: str) -> Comm:

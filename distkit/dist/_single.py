@@ -24,11 +24,11 @@ def all_reduce(comm: Any, data: Tensor, op: Op, async_op: bool) -> Any:
     return _done(data, async_op)
 
 
-def all_gather(comm: Any, data: Tensor, async_op: bool) -> Any:
+def all_gather(comm: Any, data: Tensor, async_op: bool, same_shape: bool) -> Any:
     return _done([data], async_op)
 
 
-def gather(comm: Any, data: Tensor, dst: int, async_op: bool) -> Any:
+def gather(comm: Any, data: Tensor, dst: int, async_op: bool, same_shape: bool) -> Any:
     return _done([data], async_op)
 
 
@@ -45,7 +45,7 @@ def reduce_scatter(comm: Any, data: Union[Tensor, list], op: Op, async_op: bool)
     return _done(chunk.clone(), async_op)
 
 
-def all_to_all(comm: Any, data: list, async_op: bool) -> Any:
+def all_to_all(comm: Any, data: list, async_op: bool, same_shape: bool) -> Any:
     return _done(list(data), async_op)
 
 
@@ -71,26 +71,34 @@ def barrier(comm: Any) -> None:
 # a world of one rank runs the same check the torch backend's encoder runs.
 
 
-def all_gather_object(comm: Any, data: Any, fn: str, map_location: Any) -> list:
+def all_gather_object(comm: Any, data: Any, fn: str, map_location: Any, serializer: str) -> list:
     _serial.check(data, "data", fn, comm)
     return [data]
 
 
-def gather_object(comm: Any, data: Any, dst: int, fn: str, map_location: Any) -> list:
+def gather_object(
+    comm: Any, data: Any, dst: int, fn: str, map_location: Any, serializer: str
+) -> list:
     _serial.check(data, "data", fn, comm)
     return [data]
 
 
-def broadcast_object(comm: Any, obj: Any, src: int, fn: str, name: str, map_location: Any) -> Any:
+def broadcast_object(
+    comm: Any, obj: Any, src: int, fn: str, name: str, map_location: Any, serializer: str
+) -> Any:
     _serial.check(obj, name, fn, comm)
     return obj
 
 
-def scatter_object(comm: Any, data: Optional[list], src: int, fn: str, map_location: Any) -> Any:
+def scatter_object(
+    comm: Any, data: Optional[list], src: int, fn: str, map_location: Any, serializer: str
+) -> Any:
     _serial.check(data, "data", fn, comm)
     return data[0]  # type: ignore[index]
 
 
-def all_to_all_object(comm: Any, data: list, fn: str, map_location: Any) -> list:
+def all_to_all_object(
+    comm: Any, data: list, fn: str, map_location: Any, serializer: str
+) -> list:
     _serial.check(data, "data", fn, comm)
     return list(data)

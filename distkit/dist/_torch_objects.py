@@ -22,6 +22,7 @@ naming it) instead of the others hanging.
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Optional
 
 import torch
@@ -87,28 +88,28 @@ def _slot(
     Header (int64): status, CPU bytes, device bytes, and two sender-wide flags used by
     all_to_all_object.
     """
-    slot = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
-    head = slot[:SLOT_HEAD].view(torch.int64)
-    head[3:5] = torch.tensor([int(f) for f in flags])
+    raw = bytearray(SLOT_BYTES)
     if error is not None:
         message = str(error).encode()[:INLINE_BYTES]
-        head[:3] = torch.tensor([FAILED, len(message), 0])
-        slot[SLOT_HEAD : SLOT_HEAD + len(message)] = torch.frombuffer(
-            bytearray(message), dtype=torch.uint8
-        )
+        head = (FAILED, len(message), 0)
+        raw[SLOT_HEAD : SLOT_HEAD + len(message)] = message
     elif enc is not None:
         n = enc.cpu.numel()
-        dev_n = enc.dev.numel() if enc.dev is not None else 0
-        head[:3] = torch.tensor([INLINE if n <= INLINE_BYTES else OVERFLOW, n, dev_n])
+        head = (INLINE if n <= INLINE_BYTES else OVERFLOW, n, enc.dev.numel() if enc.dev is not None else 0)
         if n <= INLINE_BYTES:
-            slot[SLOT_HEAD : SLOT_HEAD + n] = enc.cpu
-    return slot.to(ch.device)
+            raw[SLOT_HEAD : SLOT_HEAD + n] = _serial._bytes_view(enc.cpu)
+    else:
+        head = (INLINE, 0, 0)
+    struct.pack_into("<5q", raw, 0, *head, *(int(f) for f in flags))
+    slot = torch.frombuffer(raw, dtype=torch.uint8)
+    return slot if ch.device.type == "cpu" else slot.to(ch.device)
 
 
-def _heads(slots: Tensor) -> tuple[Tensor, list[list[int]]]:
+def _heads(slots: Tensor) -> tuple[Tensor, list[tuple]]:
     """Host copy of received slots (one row per slot) and their parsed headers."""
     host = slots.reshape(-1, SLOT_BYTES).cpu()
-    heads = host[:, :SLOT_HEAD].contiguous().view(torch.int64)[:, :5].tolist()
+    raw = _serial._bytes_view(host.reshape(-1))
+    heads = [struct.unpack_from("<5q", raw, r * SLOT_BYTES) for r in range(host.shape[0])]
     return host, heads
 
 
@@ -168,12 +169,18 @@ def _send_recv(
     return bufs
 
 
-def _decode(parts: Encoded, map_location: Any) -> Any:
-    return _serial.decode(Encoded(parts.cpu.cpu(), parts.dev), map_location)
+def _decoder(comm: Any, fn: str, map_location: Any, serializer: str) -> Any:
+    """``decode(sender, cpu_part, dev_part)`` for one call's received objects."""
+
+    def decode(sender: int, cpu: Tensor, dev: Optional[Tensor]) -> Any:
+        return _serial.decode(Encoded(cpu.cpu(), dev), map_location, serializer, sender, fn, comm)
+
+    return decode
 
 
-def all_gather_object(comm: Any, data: Any, fn: str, map_location: Any) -> list:
+def all_gather_object(comm: Any, data: Any, fn: str, map_location: Any, serializer: str) -> list:
     cpu, dev = _channels(comm)
+    decode = _decoder(comm, fn, map_location, serializer)
     enc, error = _encode(comm, data, "data", fn, dev)
     slots = torch.empty(comm.size * SLOT_BYTES, dtype=torch.uint8, device=cpu.device)
     all_gather_single(slots, _slot(enc, error, cpu), group=cpu.pg)
@@ -192,12 +199,15 @@ def all_gather_object(comm: Any, data: Any, fn: str, map_location: Any) -> list:
             out.append(data)
             continue
         part = cpu_parts[r] if status == OVERFLOW else _inline(host[r], n)
-        out.append(_decode(Encoded(part, dev_parts.get(r)), map_location))
+        out.append(decode(r, part, dev_parts.get(r)))
     return out
 
 
-def gather_object(comm: Any, data: Any, dst: int, fn: str, map_location: Any) -> Optional[list]:
+def gather_object(
+    comm: Any, data: Any, dst: int, fn: str, map_location: Any, serializer: str
+) -> Optional[list]:
     cpu, dev = _channels(comm)
+    decode = _decoder(comm, fn, map_location, serializer)
     rank, dst_global = comm.rank, comm.global_rank(dst)
     if rank != dst:
         enc, error = _encode(comm, data, "data", fn, dev)
@@ -231,12 +241,15 @@ def gather_object(comm: Any, data: Any, dst: int, fn: str, map_location: Any) ->
             continue
         status, n = heads[r][:2]
         part = cpu_parts[r] if status == OVERFLOW else _inline(host[r], n)
-        out.append(_decode(Encoded(part, dev_parts.get(r)), map_location))
+        out.append(decode(r, part, dev_parts.get(r)))
     return out
 
 
-def broadcast_object(comm: Any, obj: Any, src: int, fn: str, name: str, map_location: Any) -> Any:
+def broadcast_object(
+    comm: Any, obj: Any, src: int, fn: str, name: str, map_location: Any, serializer: str
+) -> Any:
     cpu, dev = _channels(comm)
+    decode = _decoder(comm, fn, map_location, serializer)
     rank, src_global = comm.rank, comm.global_rank(src)
     enc, error = _encode(comm, obj, name, fn, dev) if rank == src else (None, None)
     slot = _slot(enc, error, cpu)
@@ -261,7 +274,7 @@ def broadcast_object(comm: Any, obj: Any, src: int, fn: str, name: str, map_loca
     if dev_n:
         dev_part = torch.empty(dev_n, dtype=torch.uint8, device=dev.device)  # type: ignore[union-attr]
         td.broadcast(dev_part, src_global, group=dev.pg)  # type: ignore[union-attr]
-    return _decode(Encoded(part, dev_part), map_location)
+    return decode(src, part, dev_part)
 
 
 def _encode_each(comm: Any, items: list, fn: str, dev: Optional[_Channel]) -> tuple:
@@ -281,8 +294,11 @@ def _encode_each(comm: Any, items: list, fn: str, dev: Optional[_Channel]) -> tu
     return encs, None
 
 
-def scatter_object(comm: Any, data: Optional[list], src: int, fn: str, map_location: Any) -> Any:
+def scatter_object(
+    comm: Any, data: Optional[list], src: int, fn: str, map_location: Any, serializer: str
+) -> Any:
     cpu, dev = _channels(comm)
+    decode = _decoder(comm, fn, map_location, serializer)
     rank, src_global = comm.rank, comm.global_rank(src)
     mine = torch.empty(SLOT_BYTES, dtype=torch.uint8, device=cpu.device)
     if rank != src:
@@ -292,7 +308,7 @@ def scatter_object(comm: Any, data: Optional[list], src: int, fn: str, map_locat
         _raise_failures(fn, comm, {src: heads[0]}, {src: host[0]}, None)
         part = _send_recv(cpu, {}, {src: n})[src] if status == OVERFLOW else _inline(host[0], n)
         dev_part = _send_recv(dev, {}, {src: dev_n})[src] if dev_n else None  # type: ignore[arg-type]
-        return _decode(Encoded(part, dev_part), map_location)
+        return decode(src, part, dev_part)
 
     encs, error = _encode_each(comm, data, fn, dev)  # type: ignore[arg-type]
     td.scatter(mine, [_slot(e, error, cpu) for e in encs], src=src_global, group=cpu.pg)
@@ -317,8 +333,11 @@ def _all_to_all_bytes(
     return list(out.split(out_sizes))
 
 
-def all_to_all_object(comm: Any, data: list, fn: str, map_location: Any) -> list:
+def all_to_all_object(
+    comm: Any, data: list, fn: str, map_location: Any, serializer: str
+) -> list:
     cpu, dev = _channels(comm)
+    decode = _decoder(comm, fn, map_location, serializer)
     rank, size = comm.rank, comm.size
     encs, error = _encode_each(comm, data, fn, dev)
     # Each slot also carries two flags of its sender: "I send an overflow to someone" and
@@ -350,5 +369,5 @@ def all_to_all_object(comm: Any, data: list, fn: str, map_location: Any) -> list
             continue
         status, n = heads[r][:2]
         part = cpu_parts[r] if status == OVERFLOW else _inline(host[r], n)
-        out.append(_decode(Encoded(part, dev_parts[r]), map_location))
+        out.append(decode(r, part, dev_parts[r]))
     return out

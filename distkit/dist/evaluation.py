@@ -2,27 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import chain, zip_longest
 from typing import Any, Optional
+
+import torch
 
 from distkit.dist import _checks
 from distkit.dist._comm import GroupLike, resolve
 from distkit.dist.objects import all_gather_object, gather_object
+from distkit.dist.tensor import all_reduce
+from distkit.utils.console import track
 
 __all__ = ["collect_results", "collect_results_cpu", "collect_results_gpu"]
 
 ORDERS = ("interleaved", "contiguous")
+#: Results per rank moved in one round: bounds memory per round, and paces the progress bar.
+CHUNK_ITEMS = 65536
 
 
 def _ordered(parts: list[list], size: int, order: str, fn: str, comm: Any) -> list:
     """Merge per-rank result lists into dataset order and cut them to ``size``."""
     if order == "contiguous":
-        merged = [item for part in parts for item in part]
+        merged = list(chain.from_iterable(parts))
+    elif len({len(p) for p in parts}) <= 1:  # the DistributedSampler case: equal shards
+        merged = list(chain.from_iterable(zip(*parts)))
     else:
-        merged = []
-        longest = max((len(p) for p in parts), default=0)
-        for i in range(longest):
-            merged.extend(p[i] for p in parts if i < len(p))
+        gap = object()
+        rounds = chain.from_iterable(zip_longest(*parts, fillvalue=gap))
+        merged = [item for item in rounds if item is not gap]
     if len(merged) < size:
         counts = ", ".join(f"rank {r}: {len(p)}" for r, p in enumerate(parts))
         _checks.fail(
@@ -65,6 +73,7 @@ def collect_results(
     group: GroupLike = None,
     order: str = "interleaved",
     indices: Optional[Sequence[int]] = None,
+    serializer: Optional[str] = None,
 ) -> Optional[list]:
     """Collect every rank's evaluation results, in dataset order, exactly ``size`` of them.
 
@@ -83,7 +92,9 @@ def collect_results(
       indices keep the first result; every index below ``size`` must be present.
 
     Results that are ``None`` are kept. No temporary directory is ever used: results
-    travel through the object collectives.
+    travel through the object collectives (tensors in them as raw bytes), in rounds of
+    ``CHUNK_ITEMS`` results per rank; when that takes more than a second, the receiving
+    process shows a progress bar.
 
     Args:
         results: This rank's results, in the order it evaluated its samples.
@@ -96,6 +107,8 @@ def collect_results(
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         order: ``interleaved`` or ``contiguous``; ignored when ``indices`` is given.
         indices: Dataset index of each of this rank's results.
+        serializer: ``pickle`` or ``safe`` for the results received (see
+            :func:`~distkit.dist.set_serializer`).
 
     Returns:
         On ``dst`` (every rank if ``dst`` is ``None``), the ``size`` results in dataset
@@ -139,16 +152,30 @@ def collect_results(
         _checks.fail(ValueError, fn, comm, f"unknown order {order!r}",
                      f"Use one of {', '.join(ORDERS)}, or pass indices")
 
-    payload = (list(results), indices)
-    if dst is None:
-        gathered: Optional[list] = all_gather_object(payload, group)
-    else:
-        gathered = gather_object(payload, dst, group)
-    if gathered is None:
+    # One tiny round tells every rank the longest shard, so all agree on the chunks.
+    longest = int(all_reduce(torch.tensor([len(results)]), "max", group).item())
+    steps: Iterable[int] = range(max(1, -(-longest // CHUNK_ITEMS)))
+    receiver = comm.rank == dst or dst is None
+    if comm.rank == (dst or 0):
+        steps = track(steps, "collect_results", delay=1.0, main_only=False)
+    parts: list[list] = [[] for _ in range(comm.size)]
+    index_parts: list[list] = [[] for _ in range(comm.size)]
+    for step in steps:
+        window = slice(step * CHUNK_ITEMS, (step + 1) * CHUNK_ITEMS)
+        payload = (results[window], None if indices is None else indices[window])
+        if dst is None:
+            gathered = all_gather_object(payload, group, serializer=serializer)
+        else:
+            gathered = gather_object(payload, dst, group, serializer=serializer)
+        if receiver:
+            for r, (res, idx) in enumerate(gathered):  # type: ignore[arg-type]
+                parts[r].extend(res)
+                if idx is not None:
+                    index_parts[r].extend(idx)
+    if not receiver:
         return None
-    parts = [p[0] for p in gathered]
     if indices is not None:
-        return _by_index(parts, [p[1] for p in gathered], size, fn, comm)
+        return _by_index(parts, index_parts, size, fn, comm)
     return _ordered(parts, size, order, fn, comm)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from distkit._compat import TORCH_WORLD as _TW
-from distkit.dist import _checks
+from distkit.dist import _checks, _serial
 from distkit.dist._comm import GroupLike, resolve
 from distkit.dist._serial import ATOMS as _ATOMS
 
@@ -36,7 +36,9 @@ __all__ = [
 ]
 
 
-def all_gather_object(data: Any, group: GroupLike = None, map_location: Any = None) -> list:
+def all_gather_object(
+    data: Any, group: GroupLike = None, map_location: Any = None, serializer: Optional[str] = None
+) -> list:
     """Gather a picklable object from every rank.
 
     Collective: every rank in ``group`` must call this.
@@ -47,12 +49,15 @@ def all_gather_object(data: Any, group: GroupLike = None, map_location: Any = No
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         map_location: Device for received tensors; ``None`` puts CPU tensors on the CPU
             and accelerator tensors on this rank's current device of that type.
+        serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
+            the process-wide setting (see :func:`set_serializer`).
 
     Returns:
         One object per rank, in rank order; this rank's entry is ``data`` itself.
 
     Raises:
         TypeError: ``data`` (or another rank's object) cannot be pickled.
+        UnsafeObjectError: ``serializer="safe"`` refused another rank's object.
 
     Examples:
         >>> import distkit.dist as dist
@@ -64,14 +69,20 @@ def all_gather_object(data: Any, group: GroupLike = None, map_location: Any = No
             dist.all_gather_object(["foo", 12, {1: 2}][dist.get_rank()])
             # every rank: ['foo', 12, {1: 2}]
     """
-    if group is None and type(data) in _ATOMS and _TW._default_pg is None:
+    if group is None and serializer is None and type(data) in _ATOMS and _TW._default_pg is None:
         return [data]
-    comm = resolve(group, "all_gather_object")
-    return comm.impl.all_gather_object(comm, data, "all_gather_object", map_location)
+    fn = "all_gather_object"
+    comm = resolve(group, fn)
+    ser = _serial.resolve_serializer(serializer, fn, comm)
+    return comm.impl.all_gather_object(comm, data, fn, map_location, ser)
 
 
 def gather_object(
-    data: Any, dst: int = 0, group: GroupLike = None, map_location: Any = None
+    data: Any,
+    dst: int = 0,
+    group: GroupLike = None,
+    map_location: Any = None,
+    serializer: Optional[str] = None,
 ) -> Optional[list]:
     """Gather a picklable object from every rank onto ``dst``.
 
@@ -83,6 +94,8 @@ def gather_object(
         dst: Rank (within ``group``) that receives the objects.
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         map_location: Device for received tensors (see :func:`all_gather_object`).
+        serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
+            the process-wide setting (see :func:`set_serializer`).
 
     Returns:
         On ``dst``, one object per rank in rank order (``data`` itself at ``dst``'s
@@ -103,13 +116,19 @@ def gather_object(
             # rank 0: [0, 10]
             # rank 1: None
     """
-    comm = resolve(group, "gather_object")
-    _checks.rank(dst, "dst", "gather_object", comm)
-    return comm.impl.gather_object(comm, data, dst, "gather_object", map_location)
+    fn = "gather_object"
+    comm = resolve(group, fn)
+    _checks.rank(dst, "dst", fn, comm)
+    ser = _serial.resolve_serializer(serializer, fn, comm)
+    return comm.impl.gather_object(comm, data, dst, fn, map_location, ser)
 
 
 def broadcast_object_list(
-    data: list, src: int = 0, group: GroupLike = None, map_location: Any = None
+    data: list,
+    src: int = 0,
+    group: GroupLike = None,
+    map_location: Any = None,
+    serializer: Optional[str] = None,
 ) -> list:
     """Broadcast the list ``data`` from ``src``, filling every rank's list in place.
 
@@ -125,6 +144,8 @@ def broadcast_object_list(
         src: Rank (within ``group``) whose list is sent.
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         map_location: Device for received tensors (see :func:`all_gather_object`).
+        serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
+            the process-wide setting (see :func:`set_serializer`).
 
     Returns:
         ``data``, holding ``src``'s objects (the very same objects on ``src``).
@@ -150,16 +171,22 @@ def broadcast_object_list(
     if not isinstance(data, list):
         _checks.fail(TypeError, fn, comm, f"data must be a list, got {_checks.describe(data)}",
                      "Use broadcast_object to send a single object")
+    ser = _serial.resolve_serializer(serializer, fn, comm)
     received = comm.impl.broadcast_object(
-        comm, data if comm.rank == src else None, src, fn, "data", map_location
+        comm, data if comm.rank == src else None, src, fn, "data", map_location, ser
     )
     if comm.rank != src:
         data[:] = received
     return data
 
 
-def broadcast_object(obj: Any = None, src: int = 0, group: GroupLike = None,
-                     map_location: Any = None) -> Any:
+def broadcast_object(
+    obj: Any = None,
+    src: int = 0,
+    group: GroupLike = None,
+    map_location: Any = None,
+    serializer: Optional[str] = None,
+) -> Any:
     """Send one picklable object from ``src`` to every rank and return it.
 
     Collective: every rank in ``group`` must call this.
@@ -170,6 +197,8 @@ def broadcast_object(obj: Any = None, src: int = 0, group: GroupLike = None,
         src: Rank (within ``group``) whose object is sent.
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         map_location: Device for received tensors (see :func:`all_gather_object`).
+        serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
+            the process-wide setting (see :func:`set_serializer`).
 
     Returns:
         ``src``'s object: ``obj`` itself on ``src``, a new object elsewhere.
@@ -188,13 +217,19 @@ def broadcast_object(obj: Any = None, src: int = 0, group: GroupLike = None,
             dist.broadcast_object({"seed": 42} if dist.get_rank() == 0 else None)
             # every rank: {'seed': 42}
     """
-    comm = resolve(group, "broadcast_object")
-    _checks.rank(src, "src", "broadcast_object", comm)
-    return comm.impl.broadcast_object(comm, obj, src, "broadcast_object", "obj", map_location)
+    fn = "broadcast_object"
+    comm = resolve(group, fn)
+    _checks.rank(src, "src", fn, comm)
+    ser = _serial.resolve_serializer(serializer, fn, comm)
+    return comm.impl.broadcast_object(comm, obj, src, fn, "obj", map_location, ser)
 
 
 def scatter_object_list(
-    data: Optional[list] = None, src: int = 0, group: GroupLike = None, map_location: Any = None
+    data: Optional[list] = None,
+    src: int = 0,
+    group: GroupLike = None,
+    map_location: Any = None,
+    serializer: Optional[str] = None,
 ) -> Any:
     """Send ``data[r]`` from ``src`` to rank ``r`` and return this rank's object.
 
@@ -206,6 +241,8 @@ def scatter_object_list(
         src: Rank (within ``group``) that holds the objects.
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         map_location: Device for received tensors (see :func:`all_gather_object`).
+        serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
+            the process-wide setting (see :func:`set_serializer`).
 
     Returns:
         This rank's object (``data[src]`` itself on ``src``).
@@ -230,10 +267,13 @@ def scatter_object_list(
     _checks.rank(src, "src", fn, comm)
     if comm.rank == src:
         _object_list(data, fn, comm)
-    return comm.impl.scatter_object(comm, data, src, fn, map_location)
+    ser = _serial.resolve_serializer(serializer, fn, comm)
+    return comm.impl.scatter_object(comm, data, src, fn, map_location, ser)
 
 
-def all_to_all_object(data: list, group: GroupLike = None, map_location: Any = None) -> list:
+def all_to_all_object(
+    data: list, group: GroupLike = None, map_location: Any = None, serializer: Optional[str] = None
+) -> list:
     """Send the object ``data[r]`` to rank ``r``; return what each rank sent to this one.
 
     Collective: every rank in ``group`` must call this.
@@ -243,6 +283,8 @@ def all_to_all_object(data: list, group: GroupLike = None, map_location: Any = N
         data: One picklable object per rank of ``group``.
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         map_location: Device for received tensors (see :func:`all_gather_object`).
+        serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
+            the process-wide setting (see :func:`set_serializer`).
 
     Returns:
         One object per rank: element ``r`` came from rank ``r`` (``data[rank]`` itself at
@@ -264,9 +306,11 @@ def all_to_all_object(data: list, group: GroupLike = None, map_location: Any = N
             # rank 0: ['0->0', '1->0']
             # rank 1: ['0->1', '1->1']
     """
-    comm = resolve(group, "all_to_all_object")
-    _object_list(data, "all_to_all_object", comm)
-    return comm.impl.all_to_all_object(comm, data, "all_to_all_object", map_location)
+    fn = "all_to_all_object"
+    comm = resolve(group, fn)
+    _object_list(data, fn, comm)
+    ser = _serial.resolve_serializer(serializer, fn, comm)
+    return comm.impl.all_to_all_object(comm, data, fn, map_location, ser)
 
 
 def _object_list(data: Any, fn: str, comm: Any) -> None:

@@ -89,7 +89,9 @@ def all_reduce(
     return comm.impl.all_reduce(comm, data, rop, async_op)
 
 
-def all_gather(data: Tensor, group: GroupLike = None, async_op: bool = False) -> list[Tensor]:
+def all_gather(
+    data: Tensor, group: GroupLike = None, async_op: bool = False, same_shape: bool = False
+) -> list[Tensor]:
     """Gather ``data`` from every rank; shapes may differ between ranks.
 
     Collective: every rank in ``group`` must call this.
@@ -99,12 +101,16 @@ def all_gather(data: Tensor, group: GroupLike = None, async_op: bool = False) ->
     small round), then moves the data. On CPU backends tensors of 256 KiB or more go by
     one exact-size broadcast per rank (3-4x faster than gloo's all_gather, and never
     padded); smaller or equal-shaped tensors go in one all_gather. Every rank must pass
-    the same dtype; a mismatch raises on every rank.
+    the same dtype; a mismatch raises on every rank. When every rank is known to pass the
+    same shape, ``same_shape=True`` skips the shape round (what raw torch requires).
 
     Args:
         data: This rank's tensor, of any shape.
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
+        same_shape: Promise that every rank passes the same shape and dtype; saves the
+            shape round. Breaking the promise is an error of the backend (gloo: "invalid
+            tensor size"), or silent corruption on some backends.
 
     Returns:
         One tensor per rank, in rank order, on ``data``'s device. The entry at this rank's
@@ -128,11 +134,15 @@ def all_gather(data: Tensor, group: GroupLike = None, async_op: bool = False) ->
         return [data]
     comm = resolve(group, "all_gather")
     _checks.tensor(data, "data", "all_gather", comm)
-    return comm.impl.all_gather(comm, data, async_op)
+    return comm.impl.all_gather(comm, data, async_op, same_shape)
 
 
 def gather(
-    data: Tensor, dst: int = 0, group: GroupLike = None, async_op: bool = False
+    data: Tensor,
+    dst: int = 0,
+    group: GroupLike = None,
+    async_op: bool = False,
+    same_shape: bool = False,
 ) -> list[Tensor]:
     """Gather ``data`` from every rank onto ``dst``; shapes may differ between ranks.
 
@@ -144,6 +154,8 @@ def gather(
         dst: Rank (within ``group``) that receives the tensors.
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
+        same_shape: Promise that every rank passes the same shape and dtype; saves the
+            shape round (see :func:`all_gather`).
 
     Returns:
         On ``dst``, one tensor per rank in rank order, ``data`` itself at ``dst``'s index;
@@ -168,7 +180,7 @@ def gather(
     comm = resolve(group, "gather")
     _checks.tensor(data, "data", "gather", comm)
     _checks.rank(dst, "dst", "gather", comm)
-    return comm.impl.gather(comm, data, dst, async_op)
+    return comm.impl.gather(comm, data, dst, async_op, same_shape)
 
 
 def broadcast(data: Tensor, src: int = 0, group: GroupLike = None, async_op: bool = False) -> Tensor:
@@ -326,7 +338,9 @@ def reduce_scatter(
     return comm.impl.reduce_scatter(comm, data, rop, async_op)
 
 
-def all_to_all(data: list[Tensor], group: GroupLike = None, async_op: bool = False) -> list[Tensor]:
+def all_to_all(
+    data: list[Tensor], group: GroupLike = None, async_op: bool = False, same_shape: bool = False
+) -> list[Tensor]:
     """Send ``data[r]`` to rank ``r``; return what each rank sent to this one.
 
     Collective: every rank in ``group`` must call this.
@@ -334,13 +348,17 @@ def all_to_all(data: list[Tensor], group: GroupLike = None, async_op: bool = Fal
 
     Tensors may have any shapes, different per destination and per rank (the uneven
     case); distkit sends the shapes first (one small round), then all data in one
-    ``all_to_all_single``. When every rank already knows the sizes it will receive, use
-    :func:`all_to_all_single` with ``output_split_sizes``, which skips that round.
+    ``all_to_all_single``. When every tensor on every rank has one shape, pass
+    ``same_shape=True`` to skip that round (torch's own all_to_all requires it); when the
+    sizes differ but each rank knows what it will receive, use :func:`all_to_all_single`
+    with ``output_split_sizes``.
 
     Args:
         data: One tensor per rank of ``group``, all of one dtype; ``data[r]`` goes to rank r.
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
+        same_shape: Promise that every tensor of every rank has one shape; saves the shape
+            round. The shapes of this rank's own list are checked.
 
     Returns:
         One tensor per rank: element ``r`` came from rank ``r``. The entry at this rank's
@@ -367,8 +385,8 @@ def all_to_all(data: list[Tensor], group: GroupLike = None, async_op: bool = Fal
             # rank 3: [tensor([3]), tensor([7]), tensor([11]), tensor([15])]
     """
     comm = resolve(group, "all_to_all")
-    data = _checks.tensor_list(data, "data", "all_to_all", comm)
-    return comm.impl.all_to_all(comm, data, async_op)
+    data = _checks.tensor_list(data, "data", "all_to_all", comm, same_shape=same_shape)
+    return comm.impl.all_to_all(comm, data, async_op, same_shape)
 
 
 def all_to_all_single(

@@ -1,0 +1,485 @@
+"""distkit against raw torch.distributed and mmengine.dist, measured in the same run.
+
+    python benchmarks/run.py [--world-size 2] [--only objects] [--quick] [--json out.json]
+    distkit bench ...        (the same, through the command line)
+
+It starts its own gloo world on this machine (a :class:`~distkit.testing.RankPool`, each
+rank pinned to one CPU when there are enough, one intra-op thread each), runs every
+implementation of a case on the same payload, interleaved call by call, and prints the
+median seconds per call (the slowest rank of each iteration), the ratios torch/distkit and
+mmengine/distkit (above 1: distkit is faster) and, for tensor collectives, bus bandwidth in
+the nccl-tests convention (algorithm bandwidth S/t times 2(n-1)/n for all_reduce, (n-1)/n for
+all_gather, reduce_scatter and all_to_all). The single-process rows time one call with no
+process group against a plain identity function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import timeit
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+import torch.distributed as td
+
+import distkit.dist as dist
+from distkit._compat import all_gather_single, reduce_scatter_single
+
+MiB = 1024 * 1024
+
+
+def _mmengine() -> Any:
+    try:
+        import mmengine.dist as mm
+    except ImportError:
+        return None
+    return mm
+
+
+class Case(NamedTuple):
+    name: str
+    group: str  # objects, collect, tensors, uneven
+    target: str
+    check: str  # "vs": others/distkit >= goal; "overhead": distkit/torch <= goal; "info"
+    goal: float
+
+
+# -- payloads ----------------------------------------------------------------------------
+
+
+def tensor_dicts(total_bytes: int, rank: int) -> list[dict]:
+    """A list of dicts holding 1 MiB float tensors, ``total_bytes`` in all."""
+    n = max(1, total_bytes // MiB)
+    per = total_bytes // n // 4
+    g = torch.Generator().manual_seed(rank)
+    return [
+        {"id": i, "name": f"sample-{i}", "feat": torch.randn(per, generator=g)} for i in range(n)
+    ]
+
+
+def small_dicts(n: int, rank: int) -> list[dict]:
+    return [{"id": i * 7 + rank, "score": i / 3.0, "label": "cat"} for i in range(n)]
+
+
+# -- timing ------------------------------------------------------------------------------
+
+
+def _time(
+    fns: dict[str, Callable[[], Any]], budget: float, min_iters: int = 5, max_iters: int = 2000
+) -> dict[str, float]:
+    """Median seconds per call of each implementation (the slowest rank of each call).
+
+    Implementations run interleaved, in a rotating order, one call each per iteration, so
+    drift in the machine's speed (frequent on a shared VM) hits them alike. Every call
+    starts after a barrier, and every rank runs the same number of iterations.
+    """
+    names = list(fns)
+    for _ in range(2):  # warm up; every call starts together (mmengine's CPU mode needs it)
+        for name in names:
+            td.barrier()
+            fns[name]()
+    probe = torch.zeros(1)
+    for name in names:
+        td.barrier()
+        start = time.perf_counter()
+        fns[name]()
+        probe += time.perf_counter() - start
+    td.all_reduce(probe, td.ReduceOp.MAX)
+    iters = int(min(max_iters, max(min_iters, budget * len(names) / max(probe.item(), 1e-6))))
+    times = {name: [] for name in names}
+    for i in range(iters):
+        for k in range(len(names)):
+            name = names[(i + k) % len(names)]
+            td.barrier()
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    out = {}
+    for name, values in times.items():
+        slowest = torch.tensor(values)
+        td.all_reduce(slowest, td.ReduceOp.MAX)
+        out[name] = statistics.median(slowest.tolist())
+    return out
+
+
+def _object_cases(rank: int, size: int, quick: bool) -> list[tuple]:
+    mm = _mmengine()
+    big = 4 * MiB if quick else 32 * MiB
+    mid = 1 * MiB if quick else 4 * MiB
+    payloads = [
+        (f"{big // MiB} MiB of tensors in dicts", tensor_dicts(big, rank), 2.0),
+        (f"{mid // MiB} MiB of tensors in dicts", tensor_dicts(mid, rank), 1.5),
+        ("20k small dicts", small_dicts(2_000 if quick else 20_000, rank), 1.1),
+        ("a small dict", {"loss": 0.25, "step": 10, "rank": rank}, 1.3),
+    ]
+    rows = []
+    for label, obj, goal in payloads:
+
+        def torch_all_gather(obj: Any = obj) -> Any:
+            out = [None] * size
+            td.all_gather_object(out, obj)
+            return out
+
+        def torch_broadcast(obj: Any = obj) -> Any:
+            lst = [obj] if rank == 0 else [None]
+            td.broadcast_object_list(lst, src=0)
+            return lst
+
+        def torch_gather(obj: Any = obj) -> Any:
+            out = [None] * size if rank == 0 else None
+            td.gather_object(obj, out, dst=0)
+            return out
+
+        impls = {
+            "all_gather_object": {
+                "distkit": lambda obj=obj: dist.all_gather_object(obj),
+                "torch": torch_all_gather,
+                "mmengine": (lambda obj=obj: mm.all_gather_object(obj)) if mm else None,
+            },
+            "broadcast_object_list": {
+                "distkit": lambda obj=obj: dist.broadcast_object_list(
+                    [obj] if rank == 0 else [None]
+                ),
+                "torch": torch_broadcast,
+                "mmengine": (
+                    lambda obj=obj: mm.broadcast_object_list([obj] if rank == 0 else [None])
+                )
+                if mm
+                else None,
+            },
+            "gather_object": {
+                "distkit": lambda obj=obj: dist.gather_object(obj),
+                "torch": torch_gather,
+                "mmengine": (lambda obj=obj: mm.gather_object(obj)) if mm else None,
+            },
+        }
+        for op, fns in impls.items():
+            case = Case(f"{op}: {label}", "objects", f">= {goal}x faster", "vs", goal)
+            rows.append((case, fns, None))
+    return rows
+
+
+def _collect_cases(rank: int, size: int, quick: bool) -> list[tuple]:
+    mm = _mmengine()
+    n = 10_000 if quick else 100_000
+    results = small_dicts(n, rank)
+    tmp = tempfile.mkdtemp(prefix="distkit-bench-") if rank == 0 else None
+    tmp = dist.broadcast_object(tmp)
+    fns = {
+        "distkit": lambda: dist.collect_results(results, n * size),
+        "mmengine cpu": (lambda: mm.collect_results(results, n * size, "cpu", tmp)) if mm else None,
+        "mmengine gpu": (lambda: mm.collect_results(results, n * size, "gpu")) if mm else None,
+    }
+    case = Case(
+        f"collect_results: {n // 1000}k dicts per rank", "collect", ">= 1.5x faster", "vs", 1.5
+    )
+    return [(case, fns, None)]
+
+
+def _tensor_cases(rank: int, size: int, quick: bool) -> list[tuple]:
+    mm = _mmengine()
+    rows = []
+    sizes = [1, 4] if quick else [1, 4, 16, 64]
+    for mib in sizes:
+        n = mib * MiB // 4
+        x = torch.ones(n)
+        chunks = list(torch.ones(n).chunk(size)) if n % size == 0 else None
+        rs_in = torch.ones(n * size)
+        bus = {
+            "all_reduce": (n * 4, 2 * (size - 1) / size),
+            "all_gather": (n * 4 * size, (size - 1) / size),
+            "reduce_scatter": (n * 4 * size, (size - 1) / size),
+            "all_to_all": (n * 4, (size - 1) / size),
+        }
+        # torch allocates its outputs inside the timed call, as distkit (returning new
+        # tensors) must: the comparison is of the same work, not of buffer reuse.
+        impls = {
+            "all_reduce": {
+                "distkit": lambda x=x: dist.all_reduce(x),
+                "torch": lambda x=x: td.all_reduce(x),
+                "mmengine": (lambda x=x: mm.all_reduce(x)) if mm else None,
+            },
+            "all_gather": {
+                "distkit": lambda x=x: dist.all_gather(x, same_shape=True),
+                "torch": lambda x=x, n=n: all_gather_single(torch.empty(n * size), x),
+                "mmengine": (lambda x=x: mm.all_gather(x)) if mm else None,
+            },
+            "reduce_scatter": {
+                "distkit": lambda i=rs_in: dist.reduce_scatter(i),
+                "torch": lambda i=rs_in, n=n: reduce_scatter_single(torch.empty(n), i),
+            },
+            "all_to_all": {
+                "distkit": lambda c=chunks: dist.all_to_all(c, same_shape=True),
+                "torch": lambda c=chunks: td.all_to_all([torch.empty_like(t) for t in c], c),
+            },
+        }
+        for op, fns in impls.items():
+            case = Case(f"{op}: {mib} MiB", "tensors", "<= 1.03x torch", "overhead", 1.03)
+            rows.append((case, fns, bus[op]))
+        # the same, when distkit is not told the shapes are equal (one extra small round)
+        for op, call in (
+            ("all_gather", lambda x=x: dist.all_gather(x)),
+            ("all_to_all", lambda c=chunks: dist.all_to_all(c)),
+        ):
+            case = Case(
+                f"{op}: {mib} MiB, shapes exchanged", "tensors", "(information)", "info", 0.0
+            )
+            rows.append((case, {"distkit": call, "torch": impls[op]["torch"]}, bus[op]))
+    # uneven all_gather: ~1 MiB per rank, different sizes, against torch's even all_gather
+    # of the same bytes (padded to the largest)
+    n = MiB // 4 + rank * 1024
+    uneven = torch.ones(n)
+    longest = MiB // 4 + (size - 1) * 1024
+    even = torch.ones(longest)
+    fns = {
+        "distkit": lambda: dist.all_gather(uneven),
+        "torch": lambda: all_gather_single(torch.empty(longest * size), even),
+    }
+    case = Case(
+        "all_gather: uneven ~1 MiB (torch: even, padded)",
+        "uneven",
+        "<= 1.3x torch",
+        "overhead",
+        1.3,
+    )
+    rows.append((case, fns, None))
+    return rows
+
+
+GROUPS = {"objects": _object_cases, "collect": _collect_cases, "tensors": _tensor_cases}
+
+
+def run_rank(only: Optional[str], quick: bool, budget: float) -> list[dict]:
+    """Run on every rank of the world: time each case, return the rows (rank 0)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    # One CPU per rank and one intra-op thread: with ranks and gloo threads floating over
+    # few cores, scheduler waits of whole time slices made medians jump 30% between runs.
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= size:
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    torch.set_num_threads(1)
+    rows = []
+    for group, build in GROUPS.items():
+        if only and only not in group:
+            continue
+        for case, fns, bus in build(rank, size, quick):
+            timings = _time({n: fn for n, fn in fns.items() if fn is not None}, budget)
+            rows.append({"case": case._asdict(), "seconds": timings, "bus": bus})
+    return rows
+
+
+# -- single process ------------------------------------------------------------------------
+
+
+def noop_rows(number: int = 200_000) -> list[dict]:
+    """Single process, no process group: ns per call, and the ratio to an identity call."""
+    mm = _mmengine()
+    statements = [
+        ("get_rank()", "lib.get_rank()"),
+        ("get_world_size()", "lib.get_world_size()"),
+        ("all_reduce(t)", "lib.all_reduce(t)"),
+        ("all_reduce(t, op='mean')", "lib.all_reduce(t, op='mean')"),
+        ("all_gather(t)", "lib.all_gather(t)"),
+        ("broadcast(t)", "lib.broadcast(t)"),
+        ("barrier()", "lib.barrier()"),
+        ("all_gather_object(7)", "lib.all_gather_object(7)"),
+        ("all_gather_object(small dict)", "lib.all_gather_object(small)"),
+    ]
+    env = {"t": torch.ones(4), "small": {"loss": 0.25, "acc": 0.5}, "identity": _identity}
+
+    def per_call(stmt: str, lib: Any) -> float:
+        runs = timeit.repeat(stmt, globals={**env, "lib": lib}, number=number, repeat=7)
+        return min(runs) / number * 1e9
+
+    base = per_call("identity(t)", None)
+    rows = []
+    for name, stmt in statements:
+        row = {"case": name, "identity_ns": base, "distkit_ns": per_call(stmt, dist)}
+        if mm is not None:
+            row["mmengine_ns"] = per_call(stmt, mm)
+        rows.append(row)
+    return rows
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def _fmt_s(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "n/a"
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
+
+
+def verdict(row: dict) -> tuple[dict, str]:
+    """Ratios of the row and whether its target holds."""
+    sec, case = row["seconds"], row["case"]
+    ours = sec["distkit"]
+    ratios = {name: t / ours for name, t in sec.items() if name != "distkit"}
+    if case["check"] == "info":
+        return ratios, "-"
+    if case["check"] == "vs":
+        met = bool(ratios) and min(ratios.values()) >= case["goal"]
+    else:
+        met = ours / sec["torch"] <= case["goal"]
+    return ratios, "yes" if met else "NO"
+
+
+def report(rows: list[dict], noop: list[dict], world: int, file: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file or sys.stdout, width=160)
+    if rows:
+        table = Table(title=f"gloo, {world} ranks: median seconds per call (slowest rank)")
+        for col in (
+            "case",
+            "distkit",
+            "torch",
+            "mmengine",
+            "torch/distkit",
+            "mmengine/distkit",
+            "busbw distkit / torch",
+            "target",
+            "met",
+        ):
+            table.add_column(col, justify="left" if col in ("case", "target") else "right")
+        for row in rows:
+            sec, case = row["seconds"], row["case"]
+            ratios, met = verdict(row)
+            mm_names = [n for n in sec if n.startswith("mmengine")]
+            mm_time = " / ".join(_fmt_s(sec[n]) for n in mm_names) or "n/a"
+            mm_ratio = " / ".join(f"{ratios[n]:.2f}x" for n in mm_names) or "n/a"
+            bus = ""
+            if row["bus"]:
+                nbytes, factor = row["bus"]
+                bw = [nbytes / sec[n] * factor / 1e9 for n in ("distkit", "torch")]
+                bus = f"{bw[0]:.2f} / {bw[1]:.2f} GB/s"
+            torch_ratio = f"{ratios['torch']:.2f}x" if "torch" in ratios else "n/a"
+            table.add_row(
+                case["name"],
+                _fmt_s(sec["distkit"]),
+                _fmt_s(sec.get("torch")),
+                mm_time,
+                torch_ratio,
+                mm_ratio,
+                bus,
+                case["target"],
+                met,
+            )
+        console.print(table)
+    if noop:
+        table = Table(title="single process, no process group: ns per call (x identity)")
+        for col in ("call", "identity", "distkit", "mmengine", "target", "met"):
+            table.add_column(col, justify="left" if col in ("call", "target") else "right")
+        for row in noop:
+            base, ours = row["identity_ns"], row["distkit_ns"]
+            theirs = row.get("mmengine_ns")
+            table.add_row(
+                row["case"],
+                f"{base:.0f}",
+                f"{ours:.0f} ({ours / base:.1f}x)",
+                f"{theirs:.0f} ({theirs / base:.1f}x)" if theirs else "n/a",
+                "<= 3x",
+                "yes" if ours / base <= 3 else "NO",
+            )
+        console.print(table)
+    console.print(
+        f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+    )
+
+
+def markdown(rows: list[dict], noop: list[dict]) -> str:
+    """The same tables as :func:`report`, as Markdown (for the README)."""
+    lines = []
+    if rows:
+        lines += [
+            "| case | distkit | torch | mmengine | torch/distkit | mmengine/distkit "
+            "| busbw distkit / torch | target | met |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        ]
+        for row in rows:
+            sec, case = row["seconds"], row["case"]
+            ratios, met = verdict(row)
+            mm_names = [n for n in sec if n.startswith("mmengine")]
+            mm_time = " / ".join(_fmt_s(sec[n]) for n in mm_names) or "n/a"
+            mm_ratio = " / ".join(f"{ratios[n]:.2f}x" for n in mm_names) or "n/a"
+            bus = ""
+            if row["bus"]:
+                nbytes, factor = row["bus"]
+                bw = [nbytes / sec[n] * factor / 1e9 for n in ("distkit", "torch")]
+                bus = f"{bw[0]:.2f} / {bw[1]:.2f} GB/s"
+            torch_ratio = f"{ratios['torch']:.2f}x" if "torch" in ratios else "n/a"
+            lines.append(
+                f"| {case['name']} | {_fmt_s(sec['distkit'])} | {_fmt_s(sec.get('torch'))} | "
+                f"{mm_time} | {torch_ratio} | {mm_ratio} | {bus} | {case['target']} | {met} |"
+            )
+    if noop:
+        lines += [
+            "",
+            "| call (no process group) | identity | distkit | mmengine | target | met |",
+            "| --- | ---: | ---: | ---: | --- | --- |",
+        ]
+        for row in noop:
+            base, ours = row["identity_ns"], row["distkit_ns"]
+            theirs = row.get("mmengine_ns")
+            mm_cell = f"{theirs:.0f} ns ({theirs / base:.1f}x)" if theirs else "n/a"
+            met = "yes" if ours / base <= 3 else "NO"
+            lines.append(
+                f"| `{row['case']}` | {base:.0f} ns | {ours:.0f} ns ({ours / base:.1f}x) "
+                f"| {mm_cell} | <= 3x | {met} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="distkit bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks to start (2)")
+    parser.add_argument(
+        "--only", default=None, help="run one group: objects, collect, tensors, noop"
+    )
+    parser.add_argument("--quick", action="store_true", help="small payloads (a smoke test)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=1.0,
+        help="seconds of timed calls per implementation and case (1.0)",
+    )
+    parser.add_argument("--json", default=None, help="also write the raw figures here")
+    parser.add_argument("--markdown", default=None, help="also write the tables as Markdown")
+    parser.add_argument(
+        "--timeout", type=float, default=3600, help="seconds before the run counts as hung (3600)"
+    )
+    args = parser.parse_args(argv)
+
+    rows: list[dict] = []
+    if args.only != "noop":
+        from distkit.testing import RankPool
+
+        with RankPool(args.world_size, timeout=args.timeout, pg_timeout=600) as pool:
+            only = None if args.only in (None, "all") else args.only
+            rows = pool.run(run_rank, only, args.quick, args.budget)[0]
+    noop = noop_rows(20_000 if args.quick else 200_000) if args.only in (None, "noop") else []
+    report(rows, noop, args.world_size)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(rows, noop) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"world_size": args.world_size, "rows": rows, "noop": noop}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The benchmark harness runs end to end (a smoke test of its plumbing, not of timings)."""
+
+from __future__ import annotations
+
+import json
+
+from helpers_subprocess import run
+
+
+def test_benchmark_quick_run_reports_every_case(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run(
+        [
+            "benchmarks/run.py",
+            "--quick",
+            "--budget",
+            "0.01",
+            "--timeout",
+            "300",
+            "--json",
+            str(out),
+        ],
+        timeout=600,
+    )
+    data = json.loads(out.read_text())
+    names = [row["case"]["name"] for row in data["rows"]]
+    for op in ("all_gather_object", "broadcast_object_list", "gather_object"):
+        assert sum(n.startswith(op) for n in names) == 4, names
+    assert any(n.startswith("collect_results") for n in names)
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        assert any(n.startswith(f"{op}: 1 MiB") for n in names)
+    for row in data["rows"]:
+        assert row["seconds"]["distkit"] > 0
+        assert len(row["seconds"]) >= 2, "every case is measured against a peer"
+    assert {r["case"] for r in data["noop"]} >= {"get_rank()", "all_reduce(t)"}
+    assert "torch/distkit" in proc.stdout and "single process" in proc.stdout

@@ -1,0 +1,291 @@
+"""Tensor-aware encoding, the rounds it takes, and the safe serializer."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import decimal
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as td
+from helpers_subprocess import run
+
+import distkit.dist as dist
+from distkit import _settings
+from distkit.dist import _torch_objects
+from distkit.testing import ranks
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+@dataclasses.dataclass
+class Box:
+    label: str
+    value: torch.Tensor
+
+
+class Evil:
+    """Unpickling this runs os.makedirs(path): the classic pickle attack, made harmless."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.makedirs, (self.path, 0o777, True)
+
+
+def world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def plain_data(rank: int) -> dict:
+    return {
+        "t": torch.arange(rank + 3, dtype=torch.float16),
+        "nested": [{"a": (1, 2.5, None, True)}, {"b": b"bytes", "c": {1, 2}}],
+        "ordered": collections.OrderedDict(z=1, a=2),
+        "default": collections.defaultdict(list, {"k": [rank]}),
+        "when": datetime.datetime(2026, 11, 22, 12, rank),
+        "money": decimal.Decimal("1.25"),
+        "array": np.arange(600, dtype=np.float64) * rank,
+        "small_array": np.float32(rank),
+        "meta": (torch.Size([2, rank]), torch.device("cpu"), torch.bfloat16),
+        "complex": complex(rank, 1),
+        "range": range(rank),
+    }
+
+
+@ranks(1, 2, 3)
+def test_safe_serializer_loads_plain_data():
+    rank = dist.get_rank()
+    out = dist.all_gather_object(plain_data(rank), serializer="safe")
+    for r, got in enumerate(out):
+        want = plain_data(r)
+        assert torch.equal(got["t"], want["t"]) and got["t"].dtype == torch.float16
+        assert got["nested"] == want["nested"] and got["ordered"] == want["ordered"]
+        assert got["default"] == want["default"] and got["default"].default_factory is list
+        assert (got["when"], got["money"], got["complex"]) == (want["when"], 1.25, complex(r, 1))
+        assert np.array_equal(got["array"], want["array"]) and got["small_array"] == r
+        assert got["meta"] == want["meta"] and got["range"] == range(r)
+
+
+@ranks(2, 3)
+def test_safe_serializer_refuses_code_and_runs_none_of_it():
+    rank, size = world()
+    marker = dist.broadcast_object(tempfile.mktemp(prefix="distkit-evil-") if rank == 0 else None)
+    sender = size - 1
+    mine = Evil(marker) if rank == sender else {"fine": rank}
+    if rank == sender:
+        out = dist.all_gather_object(mine, serializer="safe")  # nothing of its own decoded
+        assert out[rank] is mine
+    else:
+        with pytest.raises(dist.UnsafeObjectError) as info:
+            dist.all_gather_object(mine, serializer="safe")
+        message = str(info.value)
+        assert f"rank {sender} sent an object that needs os.makedirs" in message
+        assert "refuses" in message and f"(on rank {rank} of {size})" in message
+        assert info.value.rank == sender and info.value.global_name == "os.makedirs"
+    dist.barrier()
+    assert not os.path.exists(marker), "the refused payload ran code"
+    # the same payload under plain pickle does run: the test's payload is a real attack
+    dist.all_gather_object(mine, serializer="pickle")
+    dist.barrier()
+    assert os.path.isdir(marker)
+    dist.barrier()
+    if rank == 0:
+        os.rmdir(marker)
+
+
+@ranks(2, 3)
+def test_safe_serializer_allow_list_and_process_setting():
+    rank, size = world()
+    obj = {"box": Box(f"r{rank}", torch.ones(2) * rank), "pair": Pair(rank, [rank])}
+    dist.set_serializer("safe")
+    assert dist.get_serializer() == "safe"
+    with pytest.raises(
+        dist.UnsafeObjectError, match=r"needs test_serial\.Box|needs test_serial\.Pair"
+    ):
+        dist.all_gather_object(obj)
+    dist.set_serializer("safe", allow=[Box, "test_serial.Pair"])
+    out = dist.all_gather_object(obj)
+    assert [o["box"].label for o in out] == [f"r{r}" for r in range(size)]
+    assert all(torch.equal(o["box"].value, torch.ones(2) * r) for r, o in enumerate(out))
+    assert [o["pair"] for o in out] == [Pair(r, [r]) for r in range(size)]
+    # every object collective honours the process-wide setting
+    if rank != 0:
+        with pytest.raises(dist.UnsafeObjectError):
+            dist.broadcast_object(collections.ChainMap({}) if rank == 0 else None)
+    else:
+        dist.broadcast_object(collections.ChainMap({}))
+
+
+def test_serializer_arguments_are_checked():
+    with pytest.raises(ValueError, match="serializer must be 'pickle' or 'safe', got 'json'"):
+        dist.all_gather_object(1, serializer="json")
+    with pytest.raises(ValueError, match="set_serializer"):
+        dist.set_serializer("yaml")
+    with pytest.raises(TypeError, match="allow: give classes"):
+        dist.set_serializer("safe", allow=[3])
+    _settings.reset()
+
+
+def test_serializer_from_the_environment():
+    code = "import distkit.dist as d; print(d.get_serializer())"
+    assert run(["-c", code], DISTKIT_SERIALIZER="safe").stdout.strip() == "safe"
+    bad = "import distkit.dist as d; d.all_gather_object({'a': 1})"
+    proc = run(
+        ["-c", f"import sys\ntry:\n    {bad}\nexcept ValueError as e:\n    print(e)"],
+        DISTKIT_SERIALIZER="yolo",
+    )
+    assert "serializer must be 'pickle' or 'safe', got 'yolo'" in proc.stdout
+
+
+# -- the device part, exercised on the CPU ------------------------------------------------
+
+
+def _cpu_as_device(comm):
+    """Pretend the group's accelerator is the CPU: every tensor goes to the device part."""
+    cpu = _torch_objects._Channel(comm, comm.pg, torch.device("cpu"))
+    return cpu, _torch_objects._Channel(comm, comm.pg, torch.device("cpu"))
+
+
+def payload(rank: int, dst: int = 0):
+    return {
+        "rank": rank,
+        "f32": torch.full((rank + 1, 3), float(rank)),
+        "i8": torch.arange(rank * 7, dtype=torch.int8),
+        "empty": torch.empty(0, 2, dtype=torch.float64),
+        "strided": torch.arange(20.0).view(4, 5)[:, ::2] + rank,
+        "big": torch.full((rank * 40_000,), rank, dtype=torch.int32),  # device part > slot
+        "text": "p" * (rank * 5000),
+        "dst": dst,
+    }
+
+
+def check(got: dict, rank: int, dst: int = 0) -> None:
+    want = payload(rank, dst)
+    assert got["rank"] == rank and got["text"] == want["text"] and got["dst"] == dst
+    for key in ("f32", "i8", "empty", "strided", "big"):
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+
+
+@ranks(1, 2, 3)
+def test_device_part_path_for_every_object_collective():
+    rank, size = world()
+    from distkit.dist import _serial
+
+    original, decode = _torch_objects._channels, _serial.decode
+    seen = []  # per decoded object: did its tensors come through the device part?
+
+    def recording_decode(enc, *args, **kwargs):
+        seen.append(enc.dev is not None)
+        return decode(enc, *args, **kwargs)
+
+    _torch_objects._channels = _cpu_as_device
+    _serial.decode = recording_decode
+    encoded = _serial.encode(payload(rank), "data", "f", None, torch.device("cpu"))
+    assert encoded.dev is not None and encoded.dev.numel() > 0
+    try:
+        out = dist.all_gather_object(payload(rank))
+        for r, got in enumerate(out):
+            check(got, r)
+        gathered = dist.gather_object(payload(rank), dst=size - 1)
+        if rank == size - 1:
+            for r, got in enumerate(gathered):
+                check(got, r)
+        check(dist.broadcast_object(payload(0) if rank == 0 else None), 0)
+        check(
+            dist.scatter_object_list([payload(r) for r in range(size)] if rank == 0 else None), rank
+        )
+        rows = dist.all_to_all_object([payload(rank, d) for d in range(size)])
+        for src, got in enumerate(rows):
+            check(got, src, rank)
+    finally:
+        _torch_objects._channels = original
+        _serial.decode = decode
+    assert all(seen) and (size == 1 or seen)  # each received object used the device part
+
+
+@ranks(1, 2, 3)
+def test_map_location_and_meta_tensors():
+    rank = dist.get_rank()
+    out = dist.all_gather_object(
+        {"t": torch.ones(2) * rank, "m": torch.empty(3, device="meta")}, map_location="meta"
+    )
+    for r, got in enumerate(out):
+        if r != rank:
+            assert got["t"].device.type == "meta" and got["t"].shape == (2,)
+        assert got["m"].device.type == "meta" and got["m"].shape == (3,)
+
+
+@ranks(2, 3)
+def test_numpy_arrays_arrive_without_a_copy():
+    rank = dist.get_rank()
+    out = dist.all_gather_object([np.full(5000, rank, dtype=np.int64), torch.ones(3)])
+    for r, (array, tensor) in enumerate(out):
+        assert np.array_equal(array, np.full(5000, r)) and array.flags.writeable
+        if r != rank:
+            # the array lives inside the receive buffer that also holds the tensor
+            storage = tensor.untyped_storage()
+            address = array.__array_interface__["data"][0]
+            assert storage.data_ptr() <= address < storage.data_ptr() + storage.nbytes()
+
+
+# -- rounds --------------------------------------------------------------------------------
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def wrap(self, name, fn):
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+@ranks(2, 3)
+def test_small_objects_take_one_round_large_ones_two():
+    rank, size = world()
+    counter = Counter()
+    names = (
+        "all_gather_single",
+        "td.broadcast",
+        "td.gather",
+        "td.isend",
+        "td.irecv",
+        "td.all_to_all_single",
+        "td.scatter",
+        "td.all_reduce",
+    )
+    saved = {}
+    for name in names:
+        owner, attr = (_torch_objects, name) if "." not in name else (td, name.split(".")[1])
+        saved[name] = (owner, attr, getattr(owner, attr))
+        setattr(owner, attr, counter.wrap(name, getattr(owner, attr)))
+    try:
+
+        def rounds(call):
+            counter.calls.clear()
+            call()
+            return list(counter.calls)
+
+        assert rounds(lambda: dist.all_gather_object({"loss": 0.5, "rank": rank})) == [
+            "all_gather_single"
+        ]
+        assert rounds(lambda: dist.broadcast_object({"lr": 0.1})) == ["td.broadcast"]
+        assert rounds(lambda: dist.gather_object(rank)) == ["td.gather"]
+        assert rounds(lambda: dist.all_to_all_object([rank] * size)) == ["td.all_to_all_single"]
+        big = torch.ones(1_000_000) if rank == 1 else torch.ones(1)
+        calls = rounds(lambda: dist.all_gather_object(big))
+        # slot round, then one exact-size broadcast for the one rank that overflowed
+        assert calls == ["all_gather_single", "td.broadcast"], calls
+    finally:
+        for owner, attr, fn in saved.values():
+            setattr(owner, attr, fn)
