@@ -1,16 +1,30 @@
-"""distkit's process-wide settings, in one place so tests can reset them."""
+"""distkit's process-wide settings, all declared here so tests can reset them.
+
+Declared in one place (not by the modules that use them) because modules load lazily: a
+setting must exist before the code that reads it was ever imported.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-_DEFAULTS: dict[str, Any] = {}
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_DEFAULTS: dict[str, Any] = {
+    # how object collectives decode what other ranks send: "pickle" or "safe"
+    "serializer": os.environ.get("DISTKIT_SERIALIZER", "pickle"),
+    # classes the safe serializer may load, as (module, qualname) pairs
+    "safe_allow": frozenset(),
+    # cross-rank checks before every collective (DISTKIT_DEBUG=1)
+    "debug": _flag("DISTKIT_DEBUG"),
+    # seconds a timed-out rank waits for the others to post where they are
+    "hang_grace": 5.0,
+}
 _values: dict[str, Any] = {}
-
-
-def register(name: str, default: Any) -> None:
-    """Declare a setting and its default (modules call this at import)."""
-    _DEFAULTS.setdefault(name, default)
 
 
 def get(name: str) -> Any:

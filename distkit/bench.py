@@ -252,7 +252,38 @@ def _tensor_cases(rank: int, size: int, quick: bool) -> list[tuple]:
     return rows
 
 
-GROUPS = {"objects": _object_cases, "collect": _collect_cases, "tensors": _tensor_cases}
+def _debug_cases(rank: int, size: int, quick: bool) -> list[tuple]:
+    """What the collective debug mode costs per call (it adds one small exchange)."""
+    small, big = torch.ones(4), torch.ones(MiB // 4)
+
+    def debugged(call: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            dist.set_debug(True)
+            try:
+                return call()
+            finally:
+                dist.set_debug(False)
+
+        return run
+
+    calls = [
+        ("all_reduce of 4 floats", lambda: dist.all_reduce(small)),
+        ("all_reduce of 1 MiB", lambda: dist.all_reduce(big)),
+        ("all_gather_object of a small dict", lambda: dist.all_gather_object({"loss": 0.5})),
+    ]
+    rows = []
+    for label, call in calls:
+        case = Case(f"debug mode: {label}", "debug", "(information)", "debug", 0.0)
+        rows.append((case, {"distkit": debugged(call), "debug off": call}, None))
+    return rows
+
+
+GROUPS = {
+    "objects": _object_cases,
+    "collect": _collect_cases,
+    "tensors": _tensor_cases,
+    "debug": _debug_cases,
+}
 
 
 def run_rank(only: Optional[str], quick: bool, budget: float) -> list[dict]:
@@ -327,7 +358,7 @@ def verdict(row: dict) -> tuple[dict, str]:
     sec, case = row["seconds"], row["case"]
     ours = sec["distkit"]
     ratios = {name: t / ours for name, t in sec.items() if name != "distkit"}
-    if case["check"] == "info":
+    if case["check"] in ("info", "debug"):
         return ratios, "-"
     if case["check"] == "vs":
         met = bool(ratios) and min(ratios.values()) >= case["goal"]
@@ -341,6 +372,21 @@ def report(rows: list[dict], noop: list[dict], world: int, file: Any = None) -> 
     from rich.table import Table
 
     console = Console(file=file or sys.stdout, width=160)
+    debug = [r for r in rows if r["case"]["check"] == "debug"]
+    rows = [r for r in rows if r["case"]["check"] != "debug"]
+    if debug:
+        table = Table(title="debug mode (DISTKIT_DEBUG=1): cost per call")
+        for col in ("call", "debug off", "debug on", "added per call"):
+            table.add_column(col, justify="left" if col == "call" else "right")
+        for row in debug:
+            off, on = row["seconds"]["debug off"], row["seconds"]["distkit"]
+            table.add_row(
+                row["case"]["name"].replace("debug mode: ", ""),
+                _fmt_s(off),
+                _fmt_s(on),
+                _fmt_s(on - off),
+            )
+        console.print(table)
     if rows:
         table = Table(title=f"gloo, {world} ranks: median seconds per call (slowest rank)")
         for col in (
@@ -403,6 +449,18 @@ def report(rows: list[dict], noop: list[dict], world: int, file: Any = None) -> 
 def markdown(rows: list[dict], noop: list[dict]) -> str:
     """The same tables as :func:`report`, as Markdown (for the README)."""
     lines = []
+    debug = [r for r in rows if r["case"]["check"] == "debug"]
+    rows = [r for r in rows if r["case"]["check"] != "debug"]
+    if debug:
+        lines += [
+            "| call (debug mode) | debug off | debug on | added per call |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for row in debug:
+            off, on = row["seconds"]["debug off"], row["seconds"]["distkit"]
+            name = row["case"]["name"].replace("debug mode: ", "")
+            lines.append(f"| {name} | {_fmt_s(off)} | {_fmt_s(on)} | {_fmt_s(on - off)} |")
+        lines.append("")
     if rows:
         lines += [
             "| case | distkit | torch | mmengine | torch/distkit | mmengine/distkit "
@@ -447,7 +505,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="distkit bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="gloo ranks to start (2)")
     parser.add_argument(
-        "--only", default=None, help="run one group: objects, collect, tensors, noop"
+        "--only", default=None, help="run one group: objects, collect, tensors, debug, noop"
     )
     parser.add_argument("--quick", action="store_true", help="small payloads (a smoke test)")
     parser.add_argument(

@@ -81,3 +81,11 @@ def test_readme_table_lists_every_public_function():
         if callable(getattr(dist, n)) and n[0].islower() and f"`{n}" not in readme
     ]
     assert not missing, f"README does not mention: {missing}"
+
+
+def test_lazy_exports_match_all():
+    from distkit.dist import _EXPORTS
+
+    assert dist.__all__ == sorted(dist.__all__) == sorted(_EXPORTS)
+    for name in dist.__all__:
+        assert getattr(dist, name) is not None

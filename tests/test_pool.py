@@ -73,7 +73,7 @@ def test_hang_is_stopped_with_stacks_and_the_pool_restarts(pool):
 
 
 def test_a_dead_rank_is_reported_and_replaced(pool):
-    with pytest.raises(RankError, match=r"rank 1 exited \(exit code 3\)"):
+    with pytest.raises(RankError, match=r"rank 1 died \(exit code 3\)"):
         pool.run(dies_on_rank_one, timeout=10)
     assert pool.run(dist.get_world_size) == [3, 3, 3]
 

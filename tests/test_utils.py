@@ -153,3 +153,13 @@ def test_cache_never_hands_out_a_group_from_a_destroyed_world():
         if os.path.exists(path):
             os.remove(path)
     # the pool notices its world is gone and starts a fresh one for the next test
+
+
+@ranks(2)
+def test_a_timeout_of_its_own_gets_a_group_of_its_own():
+    world = dist.get_default_group()
+    assert get_group([0, 1]) is world
+    short = get_group([0, 1], timeout=5)
+    assert short is not world and get_group([0, 1], timeout=5.0) is short
+    assert get_group([0, 1], timeout=6) is not short
+    assert dist.all_reduce(torch.ones(1), group=short).item() == 2

@@ -39,7 +39,7 @@ GroupLike = Union[None, ProcessGroup, list, tuple, range]
 class _GroupFacts:
     """What distkit learns about a process group once: size, rank, backend, devices."""
 
-    __slots__ = ("backend", "cpu_home", "rank", "ranks", "ref", "size", "types")
+    __slots__ = ("backend", "cpu_home", "rank", "ranks", "ref", "seq", "size", "types")
 
     def __init__(self, pg: Any) -> None:
         self.ref = weakref.ref(pg, _forget)
@@ -50,6 +50,7 @@ class _GroupFacts:
         # gloo-like groups stage CPU tensors on the CPU: the common case, checked first
         self.cpu_home: bool = self.types[0] == "cpu"
         self.ranks: Optional[list[int]] = None
+        self.seq = 0  # collectives this process entered on the group (hang reports)
 
 
 # Keyed by id and holding the group only weakly: distkit never keeps a process group

@@ -25,12 +25,14 @@ class Handle(Generic[T]):
         tensor([1., 1.])
     """
 
-    __slots__ = ("_finish", "_result", "_works")
+    __slots__ = ("_finish", "_on_timeout", "_result", "_works")
 
     def __init__(self, works: list, finish: Callable[[], T]) -> None:
         self._works: Optional[list] = works
         self._finish: Optional[Callable[[], T]] = finish
         self._result: Any = None
+        # set by the hang diagnostics: turns a backend timeout into a report naming ranks
+        self._on_timeout: Optional[Callable[[BaseException], BaseException]] = None
 
     @classmethod
     def completed(cls, result: T) -> Handle[T]:
@@ -60,11 +62,16 @@ class Handle(Generic[T]):
             works, finish = self._works, self._finish
             if isinstance(timeout, (int, float)):
                 timeout = timedelta(seconds=timeout)
-            for w in works:
-                if timeout is None:
-                    w.wait()
-                else:
-                    w.wait(timeout)
+            try:
+                for w in works:
+                    if timeout is None:
+                        w.wait()
+                    else:
+                        w.wait(timeout)
+            except Exception as exc:
+                if self._on_timeout is not None and "timed out" in str(exc).lower():
+                    raise self._on_timeout(exc) from exc
+                raise
             self._result = finish() if finish is not None else None
             self._works = None
             self._finish = None

@@ -301,8 +301,6 @@ def encode(
 # -- decoding ----------------------------------------------------------------------
 
 SERIALIZERS = ("pickle", "safe")
-_settings.register("serializer", os.environ.get("DISTKIT_SERIALIZER", "pickle"))
-_settings.register("safe_allow", frozenset())
 
 #: Globals the safe serializer loads: plain data only. Nothing here runs code of the
 #: sender's choosing when called with the arguments a pickle can give it.

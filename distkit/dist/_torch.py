@@ -17,6 +17,7 @@ from torch import Tensor
 from distkit._compat import all_gather_single, reduce_scatter_single
 from distkit.dist._checks import Op, fail
 from distkit.dist._handle import Handle
+from distkit.dist._watch import watched
 from distkit.dist._torch_objects import (  # noqa: F401  (the object half of this backend)
     all_gather_object,
     all_to_all_object,
@@ -103,6 +104,7 @@ def _to(t: Tensor, device: torch.device) -> Tensor:
 # -- tensor collectives ------------------------------------------------------------------
 
 
+@watched("all_reduce")
 def all_reduce(comm: Any, data: Tensor, op: Op, async_op: bool) -> Any:
     buf, staged = _stage(comm, data)
     work = td.all_reduce(buf, op.torch_op, group=comm.pg, async_op=async_op)
@@ -125,6 +127,7 @@ def _gather_sizes(comm: Any, data: Tensor, fn: str) -> list[tuple[torch.dtype, t
     return metas
 
 
+@watched("all_gather")
 def all_gather(comm: Any, data: Tensor, async_op: bool, same_shape: bool) -> Any:
     # gloo rejects uneven all_gather (pytorch#23299): exchange shapes, then either
     # broadcast each rank's exact bytes (large, CPU) or pad to the largest and trim.
@@ -185,6 +188,7 @@ def all_gather(comm: Any, data: Tensor, async_op: bool, same_shape: bool) -> Any
     return _complete(_works(work), finish, async_op)
 
 
+@watched("gather")
 def gather(comm: Any, data: Tensor, dst: int, async_op: bool, same_shape: bool) -> Any:
     # Shapes go to every rank (one small all_gather), so all ranks agree on the plan and
     # a dtype mismatch fails everywhere instead of hanging the senders.
@@ -220,6 +224,7 @@ def gather(comm: Any, data: Tensor, dst: int, async_op: bool, same_shape: bool) 
     return _complete(works, finish, async_op)
 
 
+@watched("broadcast")
 def broadcast(comm: Any, data: Tensor, src: int, async_op: bool) -> Any:
     buf, staged = _stage(comm, data)
     work = td.broadcast(buf, comm.global_rank(src), group=comm.pg, async_op=async_op)
@@ -232,6 +237,7 @@ def broadcast(comm: Any, data: Tensor, src: int, async_op: bool) -> Any:
     return _complete(_works(work), finish, async_op)
 
 
+@watched("reduce")
 def reduce(comm: Any, data: Tensor, dst: int, op: Op, async_op: bool) -> Any:
     buf, staged = _stage(comm, data)
     if comm.rank != dst and not staged:
@@ -249,6 +255,7 @@ def reduce(comm: Any, data: Tensor, dst: int, op: Op, async_op: bool) -> Any:
     return _complete(_works(work), finish, async_op)
 
 
+@watched("reduce_scatter")
 def reduce_scatter(comm: Any, data: Union[Tensor, list], op: Op, async_op: bool) -> Any:
     if isinstance(data, list):
         chunks = [_stage(comm, t)[0] for t in data]
@@ -271,6 +278,7 @@ def reduce_scatter(comm: Any, data: Union[Tensor, list], op: Op, async_op: bool)
     return _complete(_works(work), finish, async_op)
 
 
+@watched("all_to_all")
 def all_to_all(comm: Any, data: list, async_op: bool, same_shape: bool) -> Any:
     # gloo rejects uneven all_to_all lists, and its list all_to_all is 10-25% slower than
     # all_to_all_single even for equal shapes (measured on this project's machine): send
@@ -300,6 +308,7 @@ def all_to_all(comm: Any, data: list, async_op: bool, same_shape: bool) -> Any:
     return _complete(_works(work), finish, async_op)
 
 
+@watched("all_to_all_single")
 def all_to_all_single(
     comm: Any,
     data: Tensor,
@@ -326,6 +335,7 @@ def all_to_all_single(
     return _complete(_works(work), lambda: _to(out, data.device), async_op)
 
 
+@watched("scatter")
 def scatter(comm: Any, data: Optional[list], src: int, async_op: bool) -> Any:
     fn, rank = "scatter", comm.rank
     dev = comm.device(data[0] if data else None)
@@ -360,6 +370,7 @@ def scatter(comm: Any, data: Optional[list], src: int, async_op: bool) -> Any:
     return _complete(_works(work), lambda: out, async_op)
 
 
+@watched("barrier")
 def barrier(comm: Any) -> None:
     dev = comm.device()
     if dev.type == "cuda":

@@ -33,6 +33,7 @@ from distkit._compat import all_gather_single
 from distkit.dist import _serial
 from distkit.dist._checks import fail
 from distkit.dist._serial import Encoded
+from distkit.dist._watch import watched
 
 #: Bytes per rank in the first round. An object whose CPU part (pickle + CPU tensors)
 #: fits in ``SLOT_BYTES - SLOT_HEAD`` needs no further round.
@@ -178,6 +179,7 @@ def _decoder(comm: Any, fn: str, map_location: Any, serializer: str) -> Any:
     return decode
 
 
+@watched("all_gather_object")
 def all_gather_object(comm: Any, data: Any, fn: str, map_location: Any, serializer: str) -> list:
     cpu, dev = _channels(comm)
     decode = _decoder(comm, fn, map_location, serializer)
@@ -203,6 +205,7 @@ def all_gather_object(comm: Any, data: Any, fn: str, map_location: Any, serializ
     return out
 
 
+@watched("gather_object")
 def gather_object(
     comm: Any, data: Any, dst: int, fn: str, map_location: Any, serializer: str
 ) -> Optional[list]:
@@ -245,6 +248,7 @@ def gather_object(
     return out
 
 
+@watched("broadcast_object")
 def broadcast_object(
     comm: Any, obj: Any, src: int, fn: str, name: str, map_location: Any, serializer: str
 ) -> Any:
@@ -294,6 +298,7 @@ def _encode_each(comm: Any, items: list, fn: str, dev: Optional[_Channel]) -> tu
     return encs, None
 
 
+@watched("scatter_object")
 def scatter_object(
     comm: Any, data: Optional[list], src: int, fn: str, map_location: Any, serializer: str
 ) -> Any:
@@ -333,6 +338,7 @@ def _all_to_all_bytes(
     return list(out.split(out_sizes))
 
 
+@watched("all_to_all_object")
 def all_to_all_object(
     comm: Any, data: list, fn: str, map_location: Any, serializer: str
 ) -> list:

@@ -6,13 +6,21 @@ import atexit
 import functools
 import os
 import weakref
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
-import torch.distributed as td
+# Torch-free at import: ``import distkit.dist; dist.get_rank()`` must not pay for
+# importing torch (see distkit/_world.py). Group arguments import the rest on demand.
+from distkit import _world
 
-from distkit._compat import TORCH_WORLD as _TW
-from distkit._compat import ProcessGroup
-from distkit.dist._comm import GroupLike, resolve
+if TYPE_CHECKING:
+    from distkit._compat import ProcessGroup
+    from distkit.dist._comm import GroupLike
+
+
+def resolve(group: Any, fn: str) -> Any:
+    from distkit.dist._comm import resolve as _resolve
+
+    return _resolve(group, fn)
 
 __all__ = [
     "get_backend",
@@ -45,7 +53,7 @@ def is_distributed() -> bool:
         >>> dist.is_distributed()
         False
     """
-    return _TW._default_pg is not None
+    return _world.WORLD._default_pg is not None
 
 
 def get_default_group() -> Optional[ProcessGroup]:
@@ -56,7 +64,7 @@ def get_default_group() -> Optional[ProcessGroup]:
         >>> dist.get_default_group() is None
         True
     """
-    return _TW._default_pg
+    return _world.WORLD._default_pg
 
 
 def get_rank(group: GroupLike = None) -> int:
@@ -79,7 +87,7 @@ def get_rank(group: GroupLike = None) -> int:
         0
     """
     if group is None:
-        pg = _TW._default_pg
+        pg = _world.WORLD._default_pg
         return 0 if pg is None else pg.rank()
     return resolve(group, "get_rank").rank
 
@@ -104,7 +112,7 @@ def get_world_size(group: GroupLike = None) -> int:
         1
     """
     if group is None:
-        pg = _TW._default_pg
+        pg = _world.WORLD._default_pg
         return 1 if pg is None else pg.size()
     return resolve(group, "get_world_size").size
 
@@ -126,7 +134,7 @@ def get_dist_info(group: GroupLike = None) -> tuple[int, int]:
         (0, 1)
     """
     if group is None:
-        pg = _TW._default_pg
+        pg = _world.WORLD._default_pg
         return (0, 1) if pg is None else (pg.rank(), pg.size())
     comm = resolve(group, "get_dist_info")
     return comm.rank, comm.size
@@ -188,7 +196,7 @@ def get_backend(group: GroupLike = None) -> Optional[str]:
         >>> dist.get_backend() is None
         True
     """
-    if group is None and _TW._default_pg is None:
+    if group is None and _world.WORLD._default_pg is None:
         return None
     return resolve(group, "get_backend").backend
 
@@ -200,7 +208,7 @@ def _env_int(name: str) -> Optional[int]:
 
 def _owned_local_group() -> Any:
     if _local_group is not None and _local_owner is not None:
-        if _local_owner() is _TW._default_pg:
+        if _local_owner() is _world.WORLD._default_pg:
             return _local_group()
     return None
 
@@ -234,9 +242,9 @@ def get_local_rank() -> int:
         >>> dist.get_local_rank()
         0
     """
-    if _TW._default_pg is None:
+    if _world.WORLD._default_pg is None:
         return 0
-    return _local(lambda g: td.get_rank(g), "LOCAL_RANK", "get_local_rank")
+    return _local(lambda g: g.rank(), "LOCAL_RANK", "get_local_rank")
 
 
 def get_local_size() -> int:
@@ -252,9 +260,9 @@ def get_local_size() -> int:
         >>> dist.get_local_size()
         1
     """
-    if _TW._default_pg is None:
+    if _world.WORLD._default_pg is None:
         return 1
-    return _local(lambda g: td.get_world_size(g), "LOCAL_WORLD_SIZE", "get_local_size")
+    return _local(lambda g: g.size(), "LOCAL_WORLD_SIZE", "get_local_size")
 
 
 def init_local_group(node_rank: int, num_gpus_per_node: int) -> None:
@@ -270,7 +278,7 @@ def init_local_group(node_rank: int, num_gpus_per_node: int) -> None:
         num_gpus_per_node: Ranks per machine.
     """
     global _local_group, _local_owner
-    world = _TW._default_pg
+    world = _world.WORLD._default_pg
     if world is None:
         return
     from distkit.utils.groups import get_group
@@ -294,7 +302,7 @@ def get_local_group() -> Optional[ProcessGroup]:
         >>> dist.get_local_group() is None
         True
     """
-    if _TW._default_pg is None:
+    if _world.WORLD._default_pg is None:
         return None
     group = _owned_local_group()
     if group is None:

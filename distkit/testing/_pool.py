@@ -32,12 +32,11 @@ DEFAULT_TIMEOUT = 60.0
 DEFAULT_PG_TIMEOUT = 30.0
 
 
-class RankError(AssertionError):
+class RankError(RuntimeError):
     """A task failed on one or more ranks; the message holds every failing rank's story.
 
-    It subclasses ``AssertionError`` so pytest reports it as a test failure. ``failures``
-    maps each failing rank to its :class:`Failure`; ``results`` holds what the other
-    ranks returned.
+    ``failures`` maps each failing rank to its :class:`Failure`; ``results`` holds what
+    the other ranks returned.
     """
 
     def __init__(self, message: str, failures: dict[int, Failure], results: dict[int, Any]) -> None:
@@ -50,14 +49,19 @@ class RankTimeout(RankError):
     """A task did not finish on every rank within its timeout."""
 
 
-def _context() -> Any:
-    # forkserver: one server imports torch once, every rank forks from it in
+#: Seconds the other ranks get to finish once one rank failed, before they are stopped.
+STOP_GRACE = 3.0
+
+
+def _context(start_method: Optional[str] = None) -> Any:
+    # forkserver by default: one server imports torch once, every rank forks from it in
     # milliseconds, and no rank inherits the parent's threads or CUDA state.
-    if sys.platform.startswith("linux"):
-        ctx = mp.get_context("forkserver")
+    if start_method is None:
+        start_method = "forkserver" if sys.platform.startswith("linux") else "spawn"
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch.distributed", "distkit.dist"])
-        return ctx
-    return mp.get_context("spawn")
+    return ctx
 
 
 class RankPool:
@@ -66,9 +70,11 @@ class RankPool:
     Args:
         world_size: Number of ranks.
         backend: Process group backend of the ranks (gloo runs anywhere).
-        timeout: Default seconds a task may take before it counts as hung.
+        timeout: Default seconds a task may take before it counts as hung (``None``: no
+            limit).
         pg_timeout: Timeout of the ranks' process group collectives.
         env: Extra environment variables for the rank processes.
+        start_method: ``forkserver`` (default on Linux), ``spawn`` or ``fork``.
 
     Examples:
         >>> from distkit.testing import RankPool
@@ -82,9 +88,10 @@ class RankPool:
         self,
         world_size: int,
         backend: str = "gloo",
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: Optional[float] = DEFAULT_TIMEOUT,
         pg_timeout: float = DEFAULT_PG_TIMEOUT,
         env: Optional[dict[str, str]] = None,
+        start_method: Optional[str] = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"RankPool: world_size must be at least 1, got {world_size}")
@@ -93,6 +100,7 @@ class RankPool:
         self.timeout = timeout
         self.pg_timeout = pg_timeout
         self.env = dict(env or {})
+        self.start_method = start_method
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._dir: Optional[str] = None
@@ -112,12 +120,18 @@ class RankPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    def start(self) -> RankPool:
-        """Start the ranks (``run`` does this on first use)."""
+    def start(self, first_task: Optional[tuple] = None) -> RankPool:
+        """Start the ranks (``run`` does this on first use).
+
+        Args:
+            first_task: ``(fn, args, kwargs)`` each rank runs as soon as it is up, handed
+                over at process creation (so with ``fork`` it is never pickled); collect
+                its results with :meth:`results`.
+        """
         if self.alive:
             return self
         self._stop(kill=True)
-        ctx = _context()
+        ctx = _context(self.start_method)
         self._dir = tempfile.mkdtemp(prefix="distkit-pool-")
         self._generation += 1
         store = os.path.join(self._dir, f"store-{self._generation}")
@@ -136,6 +150,7 @@ class RankPool:
                     child,
                     self.pg_timeout,
                     env,
+                    first_task,
                 ),
                 daemon=True,
                 name=f"distkit-rank-{rank}",
@@ -144,7 +159,7 @@ class RankPool:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        deadline = time.monotonic() + max(self.timeout, 60.0)
+        deadline = time.monotonic() + max(self.timeout or 0.0, 60.0)
         for rank, conn in enumerate(self._conns):
             if not conn.poll(max(deadline - time.monotonic(), 0.0)):
                 self._stop(kill=True)
@@ -215,17 +230,32 @@ class RankPool:
                 conn.send(("run", self._task, payload))
             return self._collect(fn, timeout if timeout is not None else self.timeout)
 
-    def _collect(self, fn: Any, timeout: float) -> list[Any]:
+    def results(self, fn: Any, timeout: Optional[float] = None) -> list[Any]:
+        """Collect the results of the ``first_task`` given to :meth:`start`."""
+        with self._lock:
+            return self._collect(fn, timeout if timeout is not None else self.timeout)
+
+    def _collect(self, fn: Any, timeout: Optional[float]) -> list[Any]:
         results: dict[int, Any] = {}
         failures: dict[int, Failure] = {}
         outputs: dict[int, str] = {}
         pending = dict(enumerate(self._conns))
         restart = False
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        grace_started = False
         while pending:
-            ready = wait(list(pending.values()), max(deadline - time.monotonic(), 0.0))
+            if failures and not grace_started:
+                # One rank failed: the others get a short grace to finish (or to fail on
+                # their own), then they are stopped instead of waiting for the dead rank.
+                grace_started = True
+                grace_end = time.monotonic() + STOP_GRACE
+                deadline = grace_end if deadline is None else min(deadline, grace_end)
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready = wait(list(pending.values()), left)
             if not ready:
                 break
+            # a rank that died is usually why the others failed: read it first
+            ready.sort(key=lambda c: self._procs[self._conns.index(c)].is_alive())
             for conn in ready:
                 rank = self._conns.index(conn)
                 try:
@@ -233,10 +263,11 @@ class RankPool:
                 except (EOFError, OSError):
                     self._procs[rank].join(timeout=2)
                     code = self._procs[rank].exitcode
+                    how = f"killed by signal {-code}" if code and code < 0 else f"exit code {code}"
                     failures[rank] = Failure(
                         rank,
                         "RankDied",
-                        f"rank {rank} exited (exit code {code}) while running the task",
+                        f"rank {rank} died ({how}) while running the task",
                         "",
                         None,
                     )
@@ -258,26 +289,37 @@ class RankPool:
             stacks = self._dump_stacks(sorted(pending))
             self._stop(kill=True)
             self.restarts += 1
+            stuck = ", ".join(map(str, sorted(pending)))
+            if failures:
+                failed = ", ".join(map(str, sorted(failures)))
+                lines = [
+                    f"{name} failed on rank(s) {failed} of {self.world_size}; rank(s) {stuck} "
+                    f"were still running {STOP_GRACE:g} s later and were stopped."
+                ]
+                lines += _failure_lines(failures)
+                lines += [
+                    f"--- rank {r} was stopped here (all threads) ---\n{stacks[r]}"
+                    for r in sorted(pending)
+                ]
+                raise RankError("\n".join(lines), failures, results)
             lines = [
-                f"{name} did not finish within {timeout:g} s on rank(s) "
-                f"{', '.join(map(str, sorted(pending)))} of {self.world_size}; "
-                "the pool was restarted."
+                f"{name} did not finish within {timeout:g} s on rank(s) {stuck} of "
+                f"{self.world_size}; the pool was restarted."
             ]
             for rank in sorted(pending):
                 lines.append(f"--- rank {rank} was here (all threads) ---\n{stacks[rank]}")
-            lines += _failure_lines(failures)
             raise RankTimeout("\n".join(lines), failures, results)
         if restart:
             self._stop(kill=True)
             self.restarts += 1
         if failures:
+            first = next(iter(failures))
             lines = [
                 f"{name} failed on rank(s) {', '.join(map(str, sorted(failures)))} "
-                f"of {self.world_size}"
+                f"of {self.world_size}" + (f" (rank {first} first)" if len(failures) > 1 else "")
             ]
             lines += _failure_lines(failures)
-            error = RankError("\n".join(lines), failures, results)
-            raise error
+            raise RankError("\n".join(lines), failures, results)
         return [results[r] for r in range(self.world_size)]
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
@@ -305,8 +347,9 @@ def _indent(text: str) -> str:
 
 
 def _failure_lines(failures: dict[int, Failure]) -> list[str]:
+    """One block per failing rank, in the order the failures arrived."""
     lines = []
-    for rank in sorted(failures):
+    for rank in failures:
         f = failures[rank]
         body = f.traceback.strip() or f"{f.type_name}: {f.message}"
         lines.append(f"--- rank {rank}: {f.type_name}: {f.message} ---\n{body}")

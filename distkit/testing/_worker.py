@@ -99,6 +99,48 @@ def _reset(env: dict[str, str]) -> None:
     _hygiene.reset_state()
 
 
+def _run_task(rank: int, fn: Any, args: tuple, kwargs: dict) -> tuple:
+    """Run one task; return ``(kind, value, output)`` ready to send to the parent."""
+    out = io.StringIO()
+    try:
+        if isinstance(fn, FnRef):
+            fn = fn.resolve()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            result = fn(*args, **kwargs)
+        reply: tuple = ("ok", result, out.getvalue())
+        try:
+            pickle.dumps(reply)
+        except Exception as exc:
+            raise TypeError(f"the task's return value cannot be pickled: {exc}") from exc
+    except BaseException as exc:  # report everything, SystemExit included
+        try:
+            exc_bytes: Optional[bytes] = pickle.dumps(exc)
+        except Exception:
+            exc_bytes = None
+        failure = Failure(rank, type(exc).__name__, str(exc), traceback.format_exc(), exc_bytes)
+        reply = ("error", failure, out.getvalue())
+    return reply
+
+
+def _set_device(rank: int, backend: str) -> None:
+    """One accelerator per rank, for accelerator backends (nccl: cuda:rank)."""
+    from distkit.utils.device import BACKEND_DEVICES
+
+    device_type = BACKEND_DEVICES.get(backend.split(":")[-1], "cpu")
+    if device_type != "cpu":
+        import torch
+
+        module = getattr(torch, device_type)
+        module.set_device(rank % module.device_count())
+
+
+def _raiser(exc: BaseException) -> Any:
+    def fail() -> None:
+        raise exc
+
+    return fail
+
+
 def main(
     rank: int,
     size: int,
@@ -108,6 +150,7 @@ def main(
     conn: Any,
     pg_timeout: float,
     env: dict[str, str],
+    first_task: Optional[tuple] = None,
 ) -> None:
     _set_parent_death_signal()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -115,6 +158,7 @@ def main(
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
+        _set_device(rank, backend)
         _init_world(rank, size, backend, store_path, pg_timeout)
     except Exception:
         conn.send(("failed", traceback.format_exc()))
@@ -124,41 +168,32 @@ def main(
 
     world = TORCH_WORLD._default_pg
     baseline_env = dict(os.environ)
+    task_id = 0
     while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message[0] == "stop":
-            break
-        _, task_id, payload = message
-        out = io.StringIO()
-        try:
-            fn, args, kwargs, path = pickle.loads(payload)
-            sys.path[:] = path
-            if isinstance(fn, FnRef):
-                fn = fn.resolve()
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                result = fn(*args, **kwargs)
-            reply: tuple = ("ok", task_id, result, out.getvalue())
+        if first_task is not None:
+            fn, args, kwargs = first_task
+            first_task = None
+        else:
             try:
-                pickle.dumps(reply)
-            except Exception as exc:
-                raise TypeError(f"the task's return value cannot be pickled: {exc}") from exc
-        except BaseException as exc:  # report everything, SystemExit included
+                message = conn.recv()
+            except (EOFError, OSError):
+                return
+            if message[0] == "stop":
+                break
+            _, task_id, payload = message
             try:
-                exc_bytes: Optional[bytes] = pickle.dumps(exc)
-            except Exception:
-                exc_bytes = None
-            failure = Failure(rank, type(exc).__name__, str(exc), traceback.format_exc(), exc_bytes)
-            reply = ("error", task_id, failure, out.getvalue())
+                fn, args, kwargs, path = pickle.loads(payload)
+                sys.path[:] = path
+            except BaseException as exc:
+                fn, args, kwargs = _raiser(exc), (), {}
+        kind, value, output = _run_task(rank, fn, args, kwargs)
         intact = TORCH_WORLD._default_pg is world and world is not None
         try:
             if intact:
                 _reset(baseline_env)
         except Exception:
             intact = False
-        conn.send((*reply, intact))
+        conn.send((kind, task_id, value, output, intact))
     with contextlib.suppress(Exception):
         import torch.distributed as td
 

@@ -25,7 +25,7 @@ from distkit._compat import TORCH_WORLD, ProcessGroup, backend_config, backend_n
 
 __all__ = ["clear_group_cache", "get_cpu_group", "get_group", "group_ranks"]
 
-_Key = tuple[tuple[int, ...], str]
+_Key = tuple[tuple[int, ...], str, Optional[float]]
 
 _groups: dict[_Key, Any] = {}
 # gloo twin of a group whose backend cannot move CPU tensors (nccl, hccl, ...)
@@ -95,9 +95,10 @@ def get_group(
             ``None`` uses torch's default.
 
     Returns:
-        The cached group. The whole world with the default backend is the default
-        group itself. On a rank outside ``ranks`` this is torch's non-member marker,
-        which collectives reject with a clear error.
+        The cached group (one per ranks, backend and timeout). The whole world with the
+        default backend and no timeout of its own is the default group itself. On a rank
+        outside ``ranks`` this is torch's non-member marker, which collectives reject with
+        a clear error.
 
     Raises:
         TypeError: ``ranks`` is not a list of ints.
@@ -115,15 +116,17 @@ def get_group(
     key_ranks = _normalize_ranks(ranks, world.size())
     default_backend = backend_name(world)
     name = (backend or default_backend).lower()
-    if key_ranks == tuple(range(world.size())) and name == default_backend:
-        return world
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if key_ranks == tuple(range(world.size())) and name == default_backend and seconds is None:
+        return world  # a timeout of its own needs a group of its own, even for everyone
     cache = _cache_for(world)
-    pg = cache.get((key_ranks, name))
+    key = (key_ranks, name, None if seconds is None else float(seconds))
+    pg = cache.get(key)
     if pg is None:
-        if isinstance(timeout, (int, float)):
-            timeout = timedelta(seconds=timeout)
+        if seconds is not None:
+            timeout = timedelta(seconds=seconds)
         pg = td.new_group(list(key_ranks), backend=backend, timeout=timeout)
-        cache[(key_ranks, name)] = pg
+        cache[key] = pg
         if isinstance(pg, ProcessGroup) and not supports_cpu(backend_config(pg)):
             # Object collectives want a CPU channel; build it now, while every rank is
             # here anyway, rather than later inside a collective that only members call.

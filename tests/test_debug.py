@@ -1,0 +1,141 @@
+"""Hang diagnostics: the debug mode's mismatch catalogue, and timeouts that name ranks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import distkit.dist as dist
+from distkit import _settings
+from distkit.testing import ranks
+from distkit.utils import get_group
+
+
+def world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def mismatch(call) -> str:
+    """Run ``call`` in debug mode; it must fail on this rank with a mismatch report."""
+    dist.set_debug(True)
+    with pytest.raises(dist.CollectiveMismatchError) as info:
+        call()
+    dist.set_debug(False)
+    text = str(info.value)
+    rank, size = world()
+    assert f"(debug mode; on rank {rank} of {size})" in text
+    for r in range(size):
+        assert f"  rank {r}: " in text, f"rank {r}'s call is not listed"
+    assert "tests/test_debug.py:" in text, "call sites are named"
+    # nothing was half-sent: the group still works
+    assert dist.all_reduce(torch.ones(1)).item() == size
+    return text
+
+
+@ranks(2, 3)
+def test_debug_different_op_on_one_rank():
+    rank, _ = world()
+    text = mismatch(lambda: dist.all_reduce(torch.ones(2), op="max" if rank == 1 else "sum"))
+    assert "rank 1: all_reduce(data={'dtype': 'float32', 'shape': [2]}, op=max)" in text
+    assert "They must agree on: op" in text
+
+
+@ranks(2, 3)
+def test_debug_a_rank_skips_a_collective():
+    rank, _ = world()
+
+    def call():
+        if rank == 1:
+            dist.barrier()  # rank 1 skipped the all_reduce the others are in
+        else:
+            dist.all_reduce(torch.ones(1))
+
+    text = mismatch(call)
+    assert "rank 1: barrier() at tests/test_debug.py" in text
+    assert "a rank\nthat skips one" in text or "that skips one" in text
+
+
+@ranks(2, 3)
+def test_debug_different_dtypes():
+    rank, _ = world()
+    dtype = torch.float64 if rank == 1 else torch.float32
+    text = mismatch(lambda: dist.all_reduce(torch.ones(2, dtype=dtype)))
+    assert "'dtype': 'float64'" in text and "They must agree on: data.dtype" in text
+
+
+@ranks(2, 3)
+def test_debug_shapes_that_must_match():
+    rank, _ = world()
+    text = mismatch(lambda: dist.all_reduce(torch.ones(rank + 1)))
+    assert "They must agree on: data.shape" in text
+    text = mismatch(lambda: dist.broadcast(torch.ones(rank + 2)))
+    assert "broadcast(" in text
+
+
+@ranks(2, 3)
+def test_debug_different_src_and_dst():
+    rank, _ = world()
+    text = mismatch(lambda: dist.broadcast(torch.ones(1), src=rank % 2))
+    assert "They must agree on: src" in text
+    text = mismatch(lambda: dist.gather_object(rank, dst=0 if rank else 1))
+    assert "gather_object(dst=1" in text and "They must agree on: dst" in text
+
+
+@ranks(1, 2, 3)
+def test_debug_mode_accepts_what_may_legitimately_differ():
+    rank, size = world()
+    dist.set_debug(True)
+    try:
+        out = dist.all_gather(torch.ones(rank + 1))  # uneven shapes are allowed here
+        assert [t.numel() for t in out] == [r + 1 for r in range(size)]
+        rows = dist.all_to_all([torch.ones(rank + d + 1) for d in range(size)])
+        assert [t.numel() for t in rows] == [rank + s + 1 for s in range(size)]
+        got = dist.scatter([torch.ones(r + 1) for r in range(size)] if rank == 0 else None)
+        assert got.numel() == rank + 1
+        assert dist.all_gather_object("x" * (rank * 5000)) == [
+            "x" * (r * 5000) for r in range(size)
+        ]
+        stats = dist.all_reduce_dict({"loss": torch.tensor(1.0), "n": torch.tensor(2)})
+        assert stats["n"].item() == 2 * size
+        assert dist.collect_results([rank], size, dst=None) == list(range(size))
+    finally:
+        dist.set_debug(False)
+
+
+@ranks(3, timeout=60)
+def test_timeout_names_the_ranks_that_never_arrived():
+    rank, _ = world()
+    _settings.set("hang_grace", 2.0)
+    first = get_group([0, 1], timeout=2)  # creating groups is collective: every rank
+    second = get_group([1, 2], timeout=2)
+    if rank == 0:  # waits for rank 1 on [0, 1]
+        with pytest.raises(dist.CollectiveTimeoutError) as info:
+            dist.all_reduce(torch.ones(1), group=first)
+        text = str(info.value)
+        assert "all_reduce timed out on rank 0 of 2 of group [0, 1]" in text
+        assert "Rank(s) 1 never arrived at this call" in text
+        assert (
+            "rank 1 is waiting in all_reduce (its call #1 on group [1, 2]) at tests/test_debug.py"
+            in text
+        )
+        assert info.value.missing == [1]
+        assert "The backend said:" in text
+    elif rank == 1:  # skipped [0, 1]; waits for rank 2 on [1, 2]
+        with pytest.raises(dist.CollectiveTimeoutError) as info:
+            dist.all_reduce(torch.ones(1), group=second)
+        text = str(info.value)
+        assert "all_reduce timed out on rank 0 of 2 of group [1, 2]" in text
+        assert "rank 1 posted nothing within 2 s: it is not waiting in a distkit collective" in text
+    else:  # rank 2 never comes
+        time.sleep(5)
+    dist.barrier()  # the default group was never involved: it still works
+
+
+def test_debug_mode_from_the_environment():
+    from helpers_subprocess import run
+
+    code = "import distkit.dist as d; print(d.get_debug())"
+    assert run(["-c", code], DISTKIT_DEBUG="1").stdout.strip() == "True"
+    assert run(["-c", code]).stdout.strip() == "False"

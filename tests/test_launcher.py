@@ -1,0 +1,179 @@
+"""distkit.launch, `distkit launch` and `distkit info`: results, failures, no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT
+from helpers_subprocess import run, script_env
+
+import distkit
+import distkit.dist as dist
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def rank_square() -> int:
+    return dist.get_rank() ** 2
+
+
+def test_launch_returns_each_rank_value():
+    assert distkit.launch(rank_square, 3) == [0, 1, 4]
+    factor = 5  # a closure, a lambda: the ranks are forked, nothing is pickled
+    out = distkit.launch(lambda: dist.all_reduce(torch.ones(1) * factor).item(), 2)
+    assert out == [10.0, 10.0]
+    assert distkit.launch(pow, 2, args=(2,), kwargs={"exp": 3}) == [8, 8]
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_launch_other_start_methods(method):
+    assert distkit.launch(rank_square, 2, start_method=method) == [0, 1]
+
+
+def record_pid_then(fail: str, folder: str) -> None:
+    rank = dist.get_rank()
+    with open(os.path.join(folder, f"pid-{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    dist.barrier()
+    if rank == 1:
+        if fail == "raise":
+            raise KeyError("no such key on rank 1")
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here, mid-collective
+    time.sleep(60)
+
+
+def pids(folder) -> list[int]:
+    return [int(p.read_text()) for p in sorted(folder.glob("pid-*"))]
+
+
+@pytest.mark.parametrize("fail", ["raise", "sigkill"])
+def test_a_failing_rank_stops_the_others_and_leaves_no_process(fail, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(distkit.RankError) as info:
+        distkit.launch(record_pid_then, 2, args=(fail, str(tmp_path)), timeout=30)
+    assert time.monotonic() - start < 15, "must end within a few seconds, not the timeout"
+    text = str(info.value)
+    if fail == "raise":
+        assert "failed on rank(s) 1" in text or "rank 1 first" in text
+        assert "KeyError: 'no such key on rank 1'" in text and "record_pid_then" in text
+    else:
+        assert "rank 1 died (killed by signal 9)" in text
+    launched = pids(tmp_path)
+    assert len(launched) == 2
+    assert not any(alive(pid) for pid in launched), "a rank outlived launch()"
+
+
+def hangs() -> None:
+    if dist.get_rank() == 0:
+        time.sleep(60)
+
+
+def test_launch_timeout_shows_where_ranks_hang():
+    start = time.monotonic()
+    with pytest.raises(distkit.RankTimeout, match="did not finish within 2 s on rank"):
+        distkit.launch(hangs, 2, timeout=2)
+    assert time.monotonic() - start < 12
+
+
+def test_launch_argument_errors():
+    with pytest.raises(ValueError, match="nprocs must be an int >= 1"):
+        distkit.launch(rank_square, 0)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        distkit.launch("rank_square", 2)
+
+
+def test_launch_from_an_interactive_session():
+    code = (
+        "import distkit, distkit.dist as dist\n"
+        "def typed_in_a_repl(x):\n"
+        "    return dist.all_gather_object(dist.get_rank() * x)\n"
+        "\n"  # a blank line ends the block, as at a real prompt
+        "print(distkit.launch(typed_in_a_repl, 3, args=(7,)))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-i"],
+        input=code,
+        capture_output=True,
+        text=True,
+        env=script_env(),
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert "[[0, 7, 14], [0, 7, 14], [0, 7, 14]]" in proc.stdout, proc.stderr
+
+
+def test_import_of_dist_does_not_import_torch():
+    code = "import sys, distkit.dist as dist; print(dist.get_rank(), 'torch' in sys.modules)"
+    assert run(["-c", code]).stdout.split() == ["0", "False"]
+    code = "import sys, distkit; distkit.print('hi'); print('torch' in sys.modules)"
+    assert run(["-c", code]).stdout.split() == ["hi", "False"]
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def test_cli_launch_runs_a_script_on_n_ranks():
+    out = run(["-m", "distkit", "launch", "-n", "2", "examples/quickstart.py"]).stdout
+    assert "world=2 mean loss=0.50" in out
+
+
+FAILING = """
+import torch
+import distkit.dist as dist
+dist.init_dist()
+if dist.get_rank() == 1:
+    raise ValueError("rank one is unhappy")
+dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_cli_launch_reports_the_failing_rank(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(FAILING)
+    proc = subprocess.run(
+        [sys.executable, "-m", "distkit", "launch", "-n", "2", str(script)],
+        capture_output=True,
+        text=True,
+        env=script_env(),
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "distkit launch: rank 1 of 2 failed first (exit code 1)" in proc.stderr
+    assert 'fails.py", line 6' in proc.stderr and "ValueError: rank one is unhappy" in proc.stderr
+
+
+def test_cli_info_explains_the_launcher():
+    out = run(["-m", "distkit", "info"]).stdout
+    assert "torch" in out and "gloo" in out and "available" in out
+    assert "none: no launcher variables are set" in out
+    slurm = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NODELIST": "gpu[07-08]",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "SLURM_NODEID": "0",
+    }
+    out = run(["-m", "distkit", "info"], **slurm).stdout
+    assert "slurm: SLURM_PROCID, SLURM_NTASKS=4 and SLURM_STEP_ID" in out
+    assert "gpu07:29500" in out and "0 of 4" in out
+
+
+def test_cli_bench_is_wired():
+    out = run(["-m", "distkit", "bench", "--only", "noop", "--quick"]).stdout
+    assert "single process" in out and "get_rank()" in out
