@@ -53,3 +53,31 @@ def torchrun(nproc: int, *args: str, timeout: float = 180, **extra: str):
         timeout=timeout,
         **extra,
     )
+
+
+def free_port() -> int:
+    """A port the system just handed out (not a fixed one two runs could share)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: list[str], **extra: str) -> subprocess.Popen:
+    """Start ``python args...`` in the background (output captured)."""
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=script_env(**extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 180) -> str:
+    """Wait for a background process; fail the test with its output if it failed."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"exited {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+    return out
