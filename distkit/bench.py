@@ -367,138 +367,123 @@ def verdict(row: dict) -> tuple[dict, str]:
     return ratios, "yes" if met else "NO"
 
 
-def report(rows: list[dict], noop: list[dict], world: int, file: Any = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
+Table = tuple[str, list[str], list[list[str]]]  # title, columns, rows of cells
 
-    console = Console(file=file or sys.stdout, width=160)
+
+def tables(rows: list[dict], noop: list[dict], world: int) -> list[Table]:
+    """The report as plain tables; :func:`report` and :func:`markdown` render them."""
+    out: list[Table] = []
     debug = [r for r in rows if r["case"]["check"] == "debug"]
     rows = [r for r in rows if r["case"]["check"] != "debug"]
     if debug:
-        table = Table(title="debug mode (DISTKIT_DEBUG=1): cost per call")
-        for col in ("call", "debug off", "debug on", "added per call"):
-            table.add_column(col, justify="left" if col == "call" else "right")
+        cells = []
         for row in debug:
             off, on = row["seconds"]["debug off"], row["seconds"]["distkit"]
-            table.add_row(
-                row["case"]["name"].replace("debug mode: ", ""),
-                _fmt_s(off),
-                _fmt_s(on),
-                _fmt_s(on - off),
+            name = row["case"]["name"].replace("debug mode: ", "")
+            cells.append([name, _fmt_s(off), _fmt_s(on), _fmt_s(on - off)])
+        out.append(
+            (
+                "debug mode (DISTKIT_DEBUG=1): cost per call",
+                ["call (debug mode)", "debug off", "debug on", "added per call"],
+                cells,
             )
-        console.print(table)
+        )
     if rows:
-        table = Table(title=f"gloo, {world} ranks: median seconds per call (slowest rank)")
-        for col in (
-            "case",
-            "distkit",
-            "torch",
-            "mmengine",
-            "torch/distkit",
-            "mmengine/distkit",
-            "busbw distkit / torch",
-            "target",
-            "met",
-        ):
-            table.add_column(col, justify="left" if col in ("case", "target") else "right")
+        cells = []
         for row in rows:
             sec, case = row["seconds"], row["case"]
             ratios, met = verdict(row)
             mm_names = [n for n in sec if n.startswith("mmengine")]
-            mm_time = " / ".join(_fmt_s(sec[n]) for n in mm_names) or "n/a"
-            mm_ratio = " / ".join(f"{ratios[n]:.2f}x" for n in mm_names) or "n/a"
             bus = ""
             if row["bus"]:
                 nbytes, factor = row["bus"]
                 bw = [nbytes / sec[n] * factor / 1e9 for n in ("distkit", "torch")]
                 bus = f"{bw[0]:.2f} / {bw[1]:.2f} GB/s"
-            torch_ratio = f"{ratios['torch']:.2f}x" if "torch" in ratios else "n/a"
-            table.add_row(
-                case["name"],
-                _fmt_s(sec["distkit"]),
-                _fmt_s(sec.get("torch")),
-                mm_time,
-                torch_ratio,
-                mm_ratio,
-                bus,
-                case["target"],
-                met,
+            cells.append(
+                [
+                    case["name"],
+                    _fmt_s(sec["distkit"]),
+                    _fmt_s(sec.get("torch")),
+                    " / ".join(_fmt_s(sec[n]) for n in mm_names) or "n/a",
+                    f"{ratios['torch']:.2f}x" if "torch" in ratios else "n/a",
+                    " / ".join(f"{ratios[n]:.2f}x" for n in mm_names) or "n/a",
+                    bus,
+                    case["target"],
+                    met,
+                ]
             )
-        console.print(table)
+        out.append(
+            (
+                f"gloo, {world} ranks: median seconds per call (slowest rank)",
+                [
+                    "case",
+                    "distkit",
+                    "torch",
+                    "mmengine",
+                    "torch/distkit",
+                    "mmengine/distkit",
+                    "busbw distkit / torch",
+                    "target",
+                    "met",
+                ],
+                cells,
+            )
+        )
     if noop:
-        table = Table(title="single process, no process group: ns per call (x identity)")
-        for col in ("call", "identity", "distkit", "mmengine", "target", "met"):
-            table.add_column(col, justify="left" if col in ("call", "target") else "right")
+        cells = []
         for row in noop:
             base, ours = row["identity_ns"], row["distkit_ns"]
             theirs = row.get("mmengine_ns")
-            table.add_row(
-                row["case"],
-                f"{base:.0f}",
-                f"{ours:.0f} ({ours / base:.1f}x)",
-                f"{theirs:.0f} ({theirs / base:.1f}x)" if theirs else "n/a",
-                "<= 3x",
-                "yes" if ours / base <= 3 else "NO",
+            cells.append(
+                [
+                    f"`{row['case']}`",
+                    f"{base:.0f} ns",
+                    f"{ours:.0f} ns ({ours / base:.1f}x)",
+                    f"{theirs:.0f} ns ({theirs / base:.1f}x)" if theirs else "n/a",
+                    "<= 3x",
+                    "yes" if ours / base <= 3 else "NO",
+                ]
             )
+        out.append(
+            (
+                "single process, no process group: ns per call (x identity)",
+                ["call (no process group)", "identity", "distkit", "mmengine", "target", "met"],
+                cells,
+            )
+        )
+    return out
+
+
+_LEFT = {"case", "call (debug mode)", "call (no process group)", "target", "met"}
+
+
+def report(rows: list[dict], noop: list[dict], world: int, file: Any = None) -> None:
+    """Print the tables with rich."""
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    console = Console(file=file or sys.stdout, width=160)
+    for title, columns, cells in tables(rows, noop, world):
+        table = RichTable(title=title)
+        for col in columns:
+            table.add_column(col, justify="left" if col in _LEFT else "right")
+        for row in cells:
+            table.add_row(*(c.strip("`") for c in row))
         console.print(table)
     console.print(
         f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
     )
 
 
-def markdown(rows: list[dict], noop: list[dict]) -> str:
+def markdown(rows: list[dict], noop: list[dict], world: int = 2) -> str:
     """The same tables as :func:`report`, as Markdown (for the README)."""
-    lines = []
-    debug = [r for r in rows if r["case"]["check"] == "debug"]
-    rows = [r for r in rows if r["case"]["check"] != "debug"]
-    if debug:
-        lines += [
-            "| call (debug mode) | debug off | debug on | added per call |",
-            "| --- | ---: | ---: | ---: |",
-        ]
-        for row in debug:
-            off, on = row["seconds"]["debug off"], row["seconds"]["distkit"]
-            name = row["case"]["name"].replace("debug mode: ", "")
-            lines.append(f"| {name} | {_fmt_s(off)} | {_fmt_s(on)} | {_fmt_s(on - off)} |")
-        lines.append("")
-    if rows:
-        lines += [
-            "| case | distkit | torch | mmengine | torch/distkit | mmengine/distkit "
-            "| busbw distkit / torch | target | met |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
-        ]
-        for row in rows:
-            sec, case = row["seconds"], row["case"]
-            ratios, met = verdict(row)
-            mm_names = [n for n in sec if n.startswith("mmengine")]
-            mm_time = " / ".join(_fmt_s(sec[n]) for n in mm_names) or "n/a"
-            mm_ratio = " / ".join(f"{ratios[n]:.2f}x" for n in mm_names) or "n/a"
-            bus = ""
-            if row["bus"]:
-                nbytes, factor = row["bus"]
-                bw = [nbytes / sec[n] * factor / 1e9 for n in ("distkit", "torch")]
-                bus = f"{bw[0]:.2f} / {bw[1]:.2f} GB/s"
-            torch_ratio = f"{ratios['torch']:.2f}x" if "torch" in ratios else "n/a"
-            lines.append(
-                f"| {case['name']} | {_fmt_s(sec['distkit'])} | {_fmt_s(sec.get('torch'))} | "
-                f"{mm_time} | {torch_ratio} | {mm_ratio} | {bus} | {case['target']} | {met} |"
-            )
-    if noop:
-        lines += [
-            "",
-            "| call (no process group) | identity | distkit | mmengine | target | met |",
-            "| --- | ---: | ---: | ---: | --- | --- |",
-        ]
-        for row in noop:
-            base, ours = row["identity_ns"], row["distkit_ns"]
-            theirs = row.get("mmengine_ns")
-            mm_cell = f"{theirs:.0f} ns ({theirs / base:.1f}x)" if theirs else "n/a"
-            met = "yes" if ours / base <= 3 else "NO"
-            lines.append(
-                f"| `{row['case']}` | {base:.0f} ns | {ours:.0f} ns ({ours / base:.1f}x) "
-                f"| {mm_cell} | <= 3x | {met} |"
-            )
-    return "\n".join(lines)
+    blocks = []
+    for _, columns, cells in tables(rows, noop, world):
+        align = ["---" if c in _LEFT else "---:" for c in columns]
+        lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join(align) + " |"]
+        lines += ["| " + " | ".join(row) + " |" for row in cells]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -532,7 +517,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report(rows, noop, args.world_size)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(markdown(rows, noop) + "\n")
+            f.write(markdown(rows, noop, args.world_size) + "\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"world_size": args.world_size, "rows": rows, "noop": noop}, f, indent=1)

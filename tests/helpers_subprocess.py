@@ -81,3 +81,12 @@ def finish(proc: subprocess.Popen, timeout: float = 180) -> str:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"exited {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
     return out
+
+
+def alive(pid: int) -> bool:
+    """Whether a process is running (a zombie does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

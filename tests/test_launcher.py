@@ -11,18 +11,10 @@ import time
 import pytest
 import torch
 from conftest import ROOT
-from helpers_subprocess import run, script_env
+from helpers_subprocess import alive, run, script_env
 
 import distkit
 import distkit.dist as dist
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def rank_square() -> int:

@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+from helpers_subprocess import alive
 
 import distkit.dist as dist
 from distkit.testing import RankError, RankPool, RankTimeout
@@ -31,14 +32,6 @@ def dies_on_rank_one():
 
 def rank_and_pid():
     return dist.get_rank(), os.getpid()
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture

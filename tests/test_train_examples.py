@@ -88,65 +88,37 @@ def test_eval_counts_every_sample_once_on_one_two_and_three_ranks(checkpoint, tm
     assert results[0]["accuracy"] == results[1]["accuracy"] == results[2]["accuracy"]
 
 
+def launch_train(work_dir: str, *options: str) -> list[str]:
+    """``python -m distkit launch -n 2 examples/train.py`` into ``work_dir``."""
+    return [
+        "-m",
+        "distkit",
+        "launch",
+        "-n",
+        "2",
+        "examples/train.py",
+        "--work-dir",
+        work_dir,
+        *options,
+    ]
+
+
 def test_resume_after_killing_training_mid_epoch(tmp_path):
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
-    run(
-        [
-            "-m",
-            "distkit",
-            "launch",
-            "-n",
-            "2",
-            "examples/train.py",
-            "--work-dir",
-            full,
-            "--cfg-options",
-            EPOCHS,
-        ]
-    )
+    run(launch_train(full, "--cfg-options", EPOCHS))
     # the same run, slowed down (30 ms per step) so it can be killed in its third epoch
-    proc = start(
-        [
-            "-m",
-            "distkit",
-            "launch",
-            "-n",
-            "2",
-            "examples/train.py",
-            "--work-dir",
-            killed,
-            "--cfg-options",
-            EPOCHS,
-            "train.step_delay=0.03",
-        ]
-    )
+    proc = start(launch_train(killed, "--cfg-options", EPOCHS, "train.step_delay=0.03"))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if (
-            os.path.exists(os.path.join(killed, "metrics.json"))
-            and len(metrics(killed)["epochs"]) >= 2
-        ):
+        done = os.path.exists(os.path.join(killed, "metrics.json"))
+        if done and len(metrics(killed)["epochs"]) >= 2:
             break
         time.sleep(0.05)
     time.sleep(0.2)  # into the third epoch
     proc.send_signal(signal.SIGKILL)  # the launcher; its ranks die with it
     proc.wait(timeout=30)
     assert len(metrics(killed)["epochs"]) == 2, "the kill must land mid-run, after epoch 2"
-    out = run(
-        [
-            "-m",
-            "distkit",
-            "launch",
-            "-n",
-            "2",
-            "examples/train.py",
-            "--work-dir",
-            killed,
-            "--resume",
-            "--cfg-options",
-            EPOCHS,
-        ]
-    ).stdout
+    out = run(launch_train(killed, "--resume", "--cfg-options", EPOCHS)).stdout
     assert "resumed from" in out and "after epoch 2" in out
     assert_same_run(metrics(full), metrics(killed))
 
