@@ -136,12 +136,14 @@ def test_serializer_arguments_are_checked():
 def test_serializer_from_the_environment():
     code = "import distkit.dist as d; print(d.get_serializer())"
     assert run(["-c", code], DISTKIT_SERIALIZER="safe").stdout.strip() == "safe"
-    bad = "import distkit.dist as d; d.all_gather_object({'a': 1})"
-    proc = run(
-        ["-c", f"import sys\ntry:\n    {bad}\nexcept ValueError as e:\n    print(e)"],
-        DISTKIT_SERIALIZER="yolo",
-    )
-    assert "serializer must be 'pickle' or 'safe', got 'yolo'" in proc.stdout
+    # the single-process fast paths (atoms, flat dicts) must not skip the check
+    for obj in ("7", "{'a': 1}", "[{'a': 1}]"):
+        bad = f"import distkit.dist as d; d.all_gather_object({obj})"
+        proc = run(
+            ["-c", f"import sys\ntry:\n    {bad}\nexcept ValueError as e:\n    print(e)"],
+            DISTKIT_SERIALIZER="yolo",
+        )
+        assert "serializer must be 'pickle' or 'safe', got 'yolo'" in proc.stdout, obj
 
 
 # -- the device part, exercised on the CPU ------------------------------------------------

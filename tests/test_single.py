@@ -31,6 +31,10 @@ def test_fast_path_still_checks_arguments():
         dist.broadcast(torch.ones(1), src=1)
     with pytest.raises(TypeError, match="cannot be pickled"):
         dist.all_gather_object(lambda: 0)
+    with pytest.raises(TypeError, match=r"data\['fn'\] \(function\) cannot be pickled"):
+        dist.all_gather_object({"loss": 0.5, "fn": lambda: 0})
+    metrics = {"loss": 0.5, 1: None}
+    assert dist.all_gather_object(metrics)[0] is metrics
 
 
 def test_single_process_follows_torch_init_and_destroy(tmp_path):

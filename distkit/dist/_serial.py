@@ -178,6 +178,14 @@ _CONTAINERS = (dict, list, tuple)
 _PLAIN_BUDGET = 64  # nodes the quick walk visits before handing over to the pickler
 
 
+def flat(obj: dict) -> bool:
+    """Whether a dict holds only atoms, keys and values: the metrics dict of a training step."""
+    for key, value in obj.items():
+        if type(key) not in ATOMS or type(value) not in ATOMS:
+            return False
+    return True
+
+
 def _plain(obj: Any) -> bool:
     """Whether ``obj`` is small and built only of builtin containers, atoms and tensors."""
     budget = _PLAIN_BUDGET
@@ -301,6 +309,9 @@ def encode(
 # -- decoding ----------------------------------------------------------------------
 
 SERIALIZERS = ("pickle", "safe")
+# False when DISTKIT_SERIALIZER holds a bad value: then even the single-process fast paths
+# go through resolve_serializer, which raises the same error as with many ranks
+ENV_OK = _settings._DEFAULTS["serializer"] in SERIALIZERS
 
 #: Globals the safe serializer loads: plain data only. Nothing here runs code of the
 #: sender's choosing when called with the arguments a pickle can give it.

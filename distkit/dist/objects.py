@@ -25,6 +25,7 @@ from distkit._compat import TORCH_WORLD as _TW
 from distkit.dist import _checks, _serial
 from distkit.dist._comm import GroupLike, resolve
 from distkit.dist._serial import ATOMS as _ATOMS
+from distkit.dist._serial import ENV_OK as _ENV_OK
 
 __all__ = [
     "all_gather_object",
@@ -34,6 +35,10 @@ __all__ = [
     "gather_object",
     "scatter_object_list",
 ]
+
+# atoms the single-process fast path returns at once; none while DISTKIT_SERIALIZER is bad,
+# so that the slow path raises the error a world of many ranks would
+_FAST_ATOMS = _ATOMS if _ENV_OK else frozenset()
 
 
 def all_gather_object(
@@ -69,8 +74,10 @@ def all_gather_object(
             dist.all_gather_object(["foo", 12, {1: 2}][dist.get_rank()])
             # every rank: ['foo', 12, {1: 2}]
     """
-    if group is None and serializer is None and type(data) in _ATOMS and _TW._default_pg is None:
-        return [data]
+    if group is None and serializer is None and _TW._default_pg is None:
+        kind = type(data)
+        if kind in _FAST_ATOMS or (kind is dict and _ENV_OK and _serial.flat(data)):
+            return [data]
     fn = "all_gather_object"
     comm = resolve(group, fn)
     ser = _serial.resolve_serializer(serializer, fn, comm)
