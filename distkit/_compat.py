@@ -63,11 +63,6 @@ def _torch_world() -> Any:
 TORCH_WORLD = _torch_world()
 
 
-def default_pg() -> Any:
-    """The default process group, or None when torch.distributed is not initialized."""
-    return TORCH_WORLD._default_pg
-
-
 if AVAILABLE:
     # torch 2.13 renamed the single-tensor collectives and deprecated the old names.
     all_gather_single = getattr(td, "all_gather_single", None) or td.all_gather_into_tensor

@@ -61,6 +61,8 @@ def test_a_failing_rank_stops_the_others_and_leaves_no_process(fail, tmp_path):
     if fail == "raise":
         assert "failed on rank(s) 1" in text or "rank 1 first" in text
         assert "KeyError: 'no such key on rank 1'" in text and "record_pid_then" in text
+        original = info.value.failures[1].rebuild()  # the exception object itself
+        assert isinstance(original, KeyError) and original.args == ("no such key on rank 1",)
     else:
         assert "rank 1 died (killed by signal 9)" in text
     launched = pids(tmp_path)

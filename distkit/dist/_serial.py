@@ -179,7 +179,11 @@ _PLAIN_BUDGET = 64  # nodes the quick walk visits before handing over to the pic
 
 
 def flat(obj: dict) -> bool:
-    """Whether a dict holds only atoms, keys and values: the metrics dict of a training step."""
+    """Whether a dict holds only atoms, keys and values: the metrics dict of a training step.
+
+    The single-process fast path of ``all_gather_object`` uses this rather than
+    :func:`_plain`, which accepts the same dicts but costs about 1.5x as much on two items.
+    """
     for key, value in obj.items():
         if type(key) not in ATOMS or type(value) not in ATOMS:
             return False

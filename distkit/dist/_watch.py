@@ -276,10 +276,6 @@ def _diagnose(comm: Any, public: str, seq: int, exc: BaseException) -> Collectiv
     return CollectiveTimeoutError("\n".join(lines), missing, {ranks.index(r): v for r, v in reports.items()})
 
 
-def _depth() -> int:
-    return getattr(_local, "depth", 0)
-
-
 def watched(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Wrap a torch-backend collective ``impl(comm, *args)`` with the checks above."""
 
