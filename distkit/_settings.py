@@ -27,6 +27,11 @@ _DEFAULTS: dict[str, Any] = {
 _values: dict[str, Any] = {}
 
 
+def default(name: str) -> Any:
+    """The value of setting ``name`` at start-up (from the environment, or built in)."""
+    return _DEFAULTS[name]
+
+
 def get(name: str) -> Any:
     return _values.get(name, _DEFAULTS[name])
 

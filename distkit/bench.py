@@ -517,7 +517,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     rows: list[dict] = []
     if args.only != "noop":
-        from distkit.testing import RankPool
+        from distkit.local.pool import RankPool
 
         with RankPool(args.world_size, timeout=args.timeout, pg_timeout=600) as pool:
             only = None if args.only in (None, "all") else args.only

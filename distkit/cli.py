@@ -48,7 +48,7 @@ def environment() -> list[tuple[str, str, str]]:
 
     import distkit
     from distkit.dist.init import default_backend
-    from distkit.utils.launch import infer_launcher, launcher_env
+    from distkit.utils.environ import detect_launcher, launcher_env
 
     rows = [
         ("versions", "distkit", distkit.__version__),
@@ -84,7 +84,7 @@ def environment() -> list[tuple[str, str, str]]:
     env_rows = [("launcher variables", k, os.environ[k]) for k in LAUNCHER_VARS if k in os.environ]
     rows += env_rows or [("launcher variables", "(none set)", "")]
 
-    launcher, reason = infer_launcher()
+    launcher, reason = detect_launcher()
     rows.append(('init_dist("auto")', "launcher", f"{launcher}: {reason}"))
     if launcher == "none":
         rows.append(('init_dist("auto")', "would", "start nothing: a single process, rank 0 of 1"))
@@ -170,7 +170,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return info()
     if args.nprocs < 1:
         parser.error("-n must be at least 1")
-    from distkit.launcher import run_script
+    from distkit.local.script import run_script
 
     return run_script(args.target, args.args, args.nprocs, args.timeout, module=args.module)
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from distkit.testing._hygiene import leftovers
+import distkit.dist as dist
+from distkit.local.hygiene import leftovers
 
 ROOT = Path(__file__).resolve().parents[1]
 # the examples are importable by the tests (and, through sys.path, by the pool's ranks)
@@ -16,6 +18,55 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 #: Every world a core check runs in: 0 = no process group, then 1 to 4 gloo ranks.
 WORLDS = (0, 1, 2, 3, 4)
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world size)`` of the world a check runs in."""
+    return dist.get_rank(), dist.get_world_size()
+
+
+#: The torch collectives distkit's backends call, by the names they call them.
+_COLLECTIVES = (
+    "broadcast",
+    "gather",
+    "scatter",
+    "isend",
+    "irecv",
+    "all_reduce",
+    "reduce",
+    "all_to_all_single",
+    "reduce_scatter",
+)
+
+
+@contextlib.contextmanager
+def collective_calls():
+    """Record every torch collective distkit makes inside the block, by name, in order.
+
+    Works in any process (a rank of the pool too): it patches ``torch.distributed`` and
+    the single-tensor names distkit's backends bound at import, and puts them back.
+    """
+    import torch.distributed as td
+
+    from distkit.dist import _torch, _torch_objects
+
+    calls: list[str] = []
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in _COLLECTIVES:
+            mp.setattr(td, name, counted(name, getattr(td, name)))
+        for module in (_torch, _torch_objects):
+            for name in ("all_gather_single", "reduce_scatter_single"):
+                if hasattr(module, name):
+                    mp.setattr(module, name, counted(name, getattr(module, name)))
+        yield calls
 
 
 @pytest.fixture(autouse=True)

@@ -6,15 +6,12 @@ import time
 
 import pytest
 import torch
+from conftest import world
 
 import distkit.dist as dist
 from distkit import _settings
 from distkit.testing import ranks
 from distkit.utils import get_group
-
-
-def world():
-    return dist.get_rank(), dist.get_world_size()
 
 
 def mismatch(call) -> str:

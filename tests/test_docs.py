@@ -11,13 +11,14 @@ from conftest import ROOT
 import distkit.dist as dist
 import distkit.testing
 import distkit.utils
-from distkit.utils import launch
+from distkit.utils import environ
 
 PUBLIC = sorted(
     {
         (module.__name__, name): getattr(module, name)
-        for module in (dist, distkit.utils, launch, distkit.testing)
-        for name in module.__all__
+        for module in (dist, distkit.utils, environ, distkit.testing)
+        for name in getattr(module, "__all__", None)
+        or [n for n in vars(module) if not n.startswith("_")]
         if inspect.isfunction(getattr(module, name))
     }.items()
 )
@@ -83,9 +84,21 @@ def test_readme_table_lists_every_public_function():
     assert not missing, f"README does not mention: {missing}"
 
 
-def test_lazy_exports_match_all():
-    from distkit.dist import _EXPORTS
+@pytest.mark.parametrize("package", ["distkit", "distkit.dist", "distkit.utils"])
+def test_each_package_lists_its_names_once_in_its_stub(package):
+    import importlib
+    import sys
 
-    assert dist.__all__ == sorted(dist.__all__) == sorted(_EXPORTS)
-    for name in dist.__all__:
-        assert getattr(dist, name) is not None
+    from distkit import _lazy
+
+    module = importlib.import_module(package)
+    stub = _lazy.read_stub(str(ROOT / package.replace(".", "/") / "__init__.pyi"))
+    assert sorted(stub) == sorted(n for n in module.__all__ if n != "__version__")
+    for name, where in stub.items():
+        value = getattr(module, name)
+        # the stub tells type checkers where each name lives: it must be true
+        source = sys.modules[where] if where != package else module
+        assert getattr(source, name) is value, f"{package}.{name} is not {where}.{name}"
+    # no other list of the names: the package's __init__.py holds none
+    init = (ROOT / package.replace(".", "/") / "__init__.py").read_text()
+    assert "_EXPORTS" not in init and "TYPE_CHECKING" not in init

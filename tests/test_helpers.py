@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import WORLDS
+from conftest import WORLDS, world
 from torch.utils.data import DistributedSampler
 
 import distkit.dist as dist
 from distkit.testing import ranks
-
-
-def world():
-    return dist.get_rank(), dist.get_world_size()
 
 
 @ranks(*WORLDS)
@@ -152,9 +148,7 @@ def test_collect_results_shows_progress_on_the_receiver_only():
         calls.append((description, kwargs.get("delay")))
         return original(iterable, description, **kwargs)
 
-    evaluation.track = recording_track
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(evaluation, "track", recording_track)
         dist.collect_results([rank] * 10, 10 * size, dst=size - 1)
-    finally:
-        evaluation.track = original
     assert calls == ([("collect_results", 1.0)] if rank == size - 1 else [])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from distkit.utils.launch import (
+from distkit.utils.environ import (
+    detect_launcher,
     expand_nodelist,
-    infer_launcher,
     launcher_env,
     parse_tasks_per_node,
 )
@@ -73,8 +73,8 @@ OMPI = {
         ({**OMPI, "OMPI_COMM_WORLD_SIZE": "1"}, "none"),
     ],
 )
-def test_infer_launcher(env, launcher):
-    name, reason = infer_launcher(env)
+def test_detect_launcher(env, launcher):
+    name, reason = detect_launcher(env)
     assert name == launcher and reason
 
 

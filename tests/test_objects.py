@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import WORLDS
+from conftest import WORLDS, world
 
 import distkit.dist as dist
 from distkit.dist import _torch_objects
@@ -23,10 +23,6 @@ class Record:
     name: str
     values: torch.Tensor
     extra: dict
-
-
-def world():
-    return dist.get_rank(), dist.get_world_size()
 
 
 def payload(rank: int) -> dict:

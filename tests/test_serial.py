@@ -12,12 +12,12 @@ import tempfile
 import numpy as np
 import pytest
 import torch
-import torch.distributed as td
+from conftest import collective_calls, world
 from helpers_subprocess import run
 
 import distkit.dist as dist
 from distkit import _settings
-from distkit.dist import _torch_objects
+from distkit.dist import _torch_objects, _wire
 from distkit.testing import ranks
 
 Pair = collections.namedtuple("Pair", "left right")
@@ -37,10 +37,6 @@ class Evil:
 
     def __reduce__(self):
         return os.makedirs, (self.path, 0o777, True)
-
-
-def world():
-    return dist.get_rank(), dist.get_world_size()
 
 
 def plain_data(rank: int) -> dict:
@@ -178,20 +174,18 @@ def check(got: dict, rank: int, dst: int = 0) -> None:
 @ranks(1, 2, 3)
 def test_device_part_path_for_every_object_collective():
     rank, size = world()
-    from distkit.dist import _serial
-
-    original, decode = _torch_objects._channels, _serial.decode
+    decode = _wire.decode
     seen = []  # per decoded object: did its tensors come through the device part?
 
     def recording_decode(enc, *args, **kwargs):
         seen.append(enc.dev is not None)
         return decode(enc, *args, **kwargs)
 
-    _torch_objects._channels = _cpu_as_device
-    _serial.decode = recording_decode
-    encoded = _serial.encode(payload(rank), "data", "f", None, torch.device("cpu"))
+    encoded = _wire.encode(payload(rank), "data", "f", None, torch.device("cpu"))
     assert encoded.dev is not None and encoded.dev.numel() > 0
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_torch_objects, "_channels", _cpu_as_device)
+        mp.setattr(_wire, "decode", recording_decode)
         out = dist.all_gather_object(payload(rank))
         for r, got in enumerate(out):
             check(got, r)
@@ -206,10 +200,10 @@ def test_device_part_path_for_every_object_collective():
         rows = dist.all_to_all_object([payload(rank, d) for d in range(size)])
         for src, got in enumerate(rows):
             check(got, src, rank)
-    finally:
-        _torch_objects._channels = original
-        _serial.decode = decode
-    assert all(seen) and (size == 1 or seen)  # each received object used the device part
+    # objects decoded here: one from every other rank in all_gather and all_to_all, and
+    # from src in broadcast and scatter; on the gather's dst, one from every other rank
+    expected = 2 * (size - 1) + (rank != 0) * 2 + (size - 1 if rank == size - 1 else 0)
+    assert len(seen) == expected and all(seen), seen  # each through the device part
 
 
 @ranks(1, 2, 3)
@@ -240,54 +234,22 @@ def test_numpy_arrays_arrive_without_a_copy():
 # -- rounds --------------------------------------------------------------------------------
 
 
-class Counter:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def wrap(self, name, fn):
-        def counted(*args, **kwargs):
-            self.calls.append(name)
-            return fn(*args, **kwargs)
-
-        return counted
-
-
 @ranks(2, 3)
 def test_small_objects_take_one_round_large_ones_two():
     rank, size = world()
-    counter = Counter()
-    names = (
-        "all_gather_single",
-        "td.broadcast",
-        "td.gather",
-        "td.isend",
-        "td.irecv",
-        "td.all_to_all_single",
-        "td.scatter",
-        "td.all_reduce",
-    )
-    saved = {}
-    for name in names:
-        owner, attr = (_torch_objects, name) if "." not in name else (td, name.split(".")[1])
-        saved[name] = (owner, attr, getattr(owner, attr))
-        setattr(owner, attr, counter.wrap(name, getattr(owner, attr)))
-    try:
 
-        def rounds(call):
-            counter.calls.clear()
+    def rounds(call):
+        with collective_calls() as calls:
             call()
-            return list(counter.calls)
+        return calls
 
-        assert rounds(lambda: dist.all_gather_object({"loss": 0.5, "rank": rank})) == [
-            "all_gather_single"
-        ]
-        assert rounds(lambda: dist.broadcast_object({"lr": 0.1})) == ["td.broadcast"]
-        assert rounds(lambda: dist.gather_object(rank)) == ["td.gather"]
-        assert rounds(lambda: dist.all_to_all_object([rank] * size)) == ["td.all_to_all_single"]
-        big = torch.ones(1_000_000) if rank == 1 else torch.ones(1)
-        calls = rounds(lambda: dist.all_gather_object(big))
-        # slot round, then one exact-size broadcast for the one rank that overflowed
-        assert calls == ["all_gather_single", "td.broadcast"], calls
-    finally:
-        for owner, attr, fn in saved.values():
-            setattr(owner, attr, fn)
+    assert rounds(lambda: dist.all_gather_object({"loss": 0.5, "rank": rank})) == [
+        "all_gather_single"
+    ]
+    assert rounds(lambda: dist.broadcast_object({"lr": 0.1})) == ["broadcast"]
+    assert rounds(lambda: dist.gather_object(rank)) == ["gather"]
+    assert rounds(lambda: dist.all_to_all_object([rank] * size)) == ["all_to_all_single"]
+    big = torch.ones(1_000_000) if rank == 1 else torch.ones(1)
+    calls = rounds(lambda: dist.all_gather_object(big))
+    # slot round, then one exact-size broadcast for the one rank that overflowed
+    assert calls == ["all_gather_single", "broadcast"], calls

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import WORLDS
+from conftest import WORLDS, collective_calls, world
 
 import distkit.dist as dist
 from distkit.testing import ranks
-
-
-def world():
-    return dist.get_rank(), dist.get_world_size()
 
 
 @ranks(*WORLDS)
@@ -305,14 +301,35 @@ def test_bad_arguments_fail_before_communicating():
 def test_same_shape_skips_the_shape_round():
     rank, size = world()
     t = torch.full((2, 3), float(rank))
-    out = dist.all_gather(t, same_shape=True)
+    with collective_calls() as calls:
+        out = dist.all_gather(t, same_shape=True)
     assert out[rank] is t and [o[0, 0].item() for o in out] == [float(r) for r in range(size)]
+    assert calls == ([] if size == 0 or not dist.is_distributed() else ["all_gather_single"])
+    with collective_calls() as calls:
+        dist.all_gather(t)
+    if dist.is_distributed():  # without the promise: a shape round, then the data
+        assert calls == ["all_gather_single", "all_gather_single"], calls
     big = torch.full((70_000,), rank, dtype=torch.int32)  # the broadcast path
-    assert [o[0].item() for o in dist.all_gather(big, same_shape=True)] == list(range(size))
-    g = dist.gather(torch.tensor([rank, rank]), dst=size - 1, same_shape=True)
+    with collective_calls() as calls:
+        assert [o[0].item() for o in dist.all_gather(big, same_shape=True)] == list(range(size))
+    if dist.is_distributed():
+        assert calls == ["broadcast"] * size, calls
+    with collective_calls() as calls:
+        g = dist.gather(torch.tensor([rank, rank]), dst=size - 1, same_shape=True)
     assert [o.tolist() for o in g] == ([[r, r] for r in range(size)] if rank == size - 1 else [])
-    rows = dist.all_to_all([torch.tensor([rank * 10 + d]) for d in range(size)], same_shape=True)
+    if dist.is_distributed():
+        assert calls == ["gather"], calls
+    with collective_calls() as calls:
+        rows = dist.all_to_all(
+            [torch.tensor([rank * 10 + d]) for d in range(size)], same_shape=True
+        )
     assert [o.item() for o in rows] == [s * 10 + rank for s in range(size)]
+    if dist.is_distributed():
+        assert calls == ["all_to_all_single"], calls
+    with collective_calls() as calls:
+        dist.all_to_all([torch.tensor([rank * 10 + d]) for d in range(size)])
+    if dist.is_distributed():
+        assert calls == ["all_to_all_single", "all_to_all_single"], calls
     if size > 1:
         with pytest.raises(ValueError, match="data mixes shapes"):
             dist.all_to_all([torch.ones(1)] * (size - 1) + [torch.ones(2)], same_shape=True)

@@ -1,39 +1,42 @@
-"""The one place that decides "distributed or not": :func:`resolve`.
+"""The one place that decides "distributed or not", and which backend runs a call.
 
-A collective first resolves its ``group`` argument to a :class:`Comm`: the process group,
-this rank's place in it, and ``impl``, the backend that runs the collective. ``impl`` is
-:mod:`distkit.dist._single` when there is no process group (a world of one rank) and
-:mod:`distkit.dist._torch` otherwise. Both backends have the same functions with the same
-signatures, and arguments are checked before either is called, so a bad argument fails
-the same way in a debugger as on 8 ranks.
+Every collective resolves its ``group`` argument with :func:`resolve` into a
+:class:`Comm`: the process group, this rank's place in it, and ``backend``, the object
+that runs the collective (:data:`~distkit.dist._single.SINGLE` when there is no process
+group, :data:`~distkit.dist._torch.TORCH` otherwise). Both implement
+:class:`~distkit.dist._backend.Backend`, and arguments are checked before either runs,
+so a bad argument fails the same way in a debugger as on 8 ranks.
+
+Whether a process group exists is read from one place, :data:`distkit._registry.current`,
+here and in the compiled shortcuts of :mod:`distkit.dist._shortcut` that let the
+hottest calls skip this resolution when there is nothing to resolve.
 """
 
 from __future__ import annotations
 
 import weakref
-from types import ModuleType
-from typing import Any, Optional, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
 
 import torch
 from torch import Tensor
 
-from distkit._compat import (
-    TORCH_WORLD,
-    ProcessGroup,
-    backend_config,
-    backend_name,
-    c10d,
-    is_registered,
-)
-from distkit.dist import _single, _torch
-from distkit.dist._checks import fail
+from distkit import _registry
+from distkit._compat import ProcessGroup, backend_config, backend_name, c10d, is_registered
+from distkit.dist._args import fail
+from distkit.dist._single import SINGLE
+from distkit.dist._torch import TORCH
 from distkit.utils.device import backend_device_types, device_of_type
+from distkit.utils.groups import get_group, group_ranks
+
+if TYPE_CHECKING:
+    from distkit.dist._backend import Backend
 
 _CPU = torch.device("cpu")
 
-#: What every ``group`` argument accepts: the default group, a process group, or a list
-#: of global ranks (resolved through :func:`distkit.utils.get_group`).
-GroupLike = Union[None, ProcessGroup, list, tuple, range]
+#: What every ``group`` argument accepts: ``None`` (the default group), a process group,
+#: or a sequence of global ranks (resolved through :func:`distkit.utils.get_group`).
+GroupLike = Union[None, ProcessGroup, Sequence[int]]
 
 
 class _GroupFacts:
@@ -41,7 +44,7 @@ class _GroupFacts:
 
     __slots__ = ("backend", "cpu_home", "rank", "ranks", "ref", "seq", "size", "types")
 
-    def __init__(self, pg: Any) -> None:
+    def __init__(self, pg: ProcessGroup) -> None:
         self.ref = weakref.ref(pg, _forget)
         self.rank: int = pg.rank()
         self.size: int = pg.size()
@@ -68,7 +71,7 @@ def _forget(ref: weakref.ref) -> None:
             del _FACTS[key]
 
 
-def _facts(pg: Any) -> _GroupFacts:
+def _facts(pg: ProcessGroup) -> _GroupFacts:
     facts = _FACTS.get(id(pg))
     if facts is None or facts.ref() is not pg:
         facts = _FACTS[id(pg)] = _GroupFacts(pg)
@@ -81,14 +84,20 @@ class Comm:
     A Comm lives for one collective call; it holds its process group only that long.
     """
 
-    __slots__ = ("_facts", "impl", "pg", "rank", "size")
+    __slots__ = ("_facts", "backend", "pg", "rank", "size")
 
-    def __init__(self, pg: Any, rank: int, size: int, impl: ModuleType,
-                 facts: Optional[_GroupFacts] = None) -> None:
+    def __init__(
+        self,
+        pg: Optional[ProcessGroup],
+        rank: int,
+        size: int,
+        backend: Backend,
+        facts: Optional[_GroupFacts] = None,
+    ) -> None:
         self.pg = pg
         self.rank = rank
         self.size = size
-        self.impl = impl
+        self.backend = backend
         self._facts = facts
 
     @property
@@ -96,67 +105,74 @@ class Comm:
         """Whether tensors are staged on the CPU by default (gloo, mpi, no group)."""
         return self._facts is None or self._facts.cpu_home
 
+    @property
+    def backend_name(self) -> Optional[str]:
+        """Lower-case backend string of the group (``None`` in a single process)."""
+        return None if self._facts is None else self._facts.backend
+
+    def next_call(self) -> int:
+        """Count one more collective entered on this group; return its number."""
+        if self._facts is None:
+            return 0
+        self._facts.seq += 1
+        return self._facts.seq
+
     def global_ranks(self) -> list[int]:
         """Global rank of each group rank."""
-        if self.pg is None:
+        facts = self._facts
+        if self.pg is None or facts is None:
             return [0]
-        if self._facts.ranks is None:
-            from distkit.utils.groups import group_ranks
-
-            self._facts.ranks = group_ranks(self.pg)
-        return self._facts.ranks
+        if facts.ranks is None:
+            facts.ranks = group_ranks(self.pg)
+        return facts.ranks
 
     def global_rank(self, group_rank: int) -> int:
         return self.global_ranks()[group_rank]
-
-    @property
-    def backend(self) -> Optional[str]:
-        """Lower-case backend string of the group (``None`` in a single process)."""
-        return None if self._facts is None else self._facts.backend
 
     def device(self, data: Optional[Tensor] = None) -> torch.device:
         """The device to stage tensors on (see :func:`distkit.utils.get_comm_device`)."""
         facts = self._facts
         if facts is None:
             return _CPU
-        types = facts.types
-        if data is not None and len(types) > 1:
+        types_ = facts.types
+        if data is not None and len(types_) > 1:
             if data.is_cpu:
-                if "cpu" in types:
+                if "cpu" in types_:
                     return _CPU
-            elif data.device.type in types:
+            elif data.device.type in types_:
                 return device_of_type(data.device.type, self.pg)
-        return _CPU if facts.cpu_home else device_of_type(types[0], self.pg)
+        return _CPU if facts.cpu_home else device_of_type(types_[0], self.pg)
 
     def __repr__(self) -> str:
-        return f"Comm(rank={self.rank}, size={self.size}, backend={self.backend})"
+        return f"Comm(rank={self.rank}, size={self.size}, backend={self.backend_name})"
 
 
 #: The implicit world of one rank, when no process group exists.
-NO_GROUP = Comm(None, 0, 1, _single)
+NO_GROUP = Comm(None, 0, 1, SINGLE)
 
 
-def _comm_of(pg: Any) -> Comm:
+def _comm_of(pg: ProcessGroup) -> Comm:
     facts = _facts(pg)
-    return Comm(pg, facts.rank, facts.size, _torch, facts)
+    return Comm(pg, facts.rank, facts.size, TORCH, facts)
 
 
 def resolve(group: Any, fn: str) -> Comm:
     """Resolve a ``group`` argument (see :data:`GroupLike`) for the collective ``fn``.
 
     Raises:
-        TypeError: ``group`` is not None, a ProcessGroup or a list of ranks.
+        TypeError: ``group`` is not None, a ProcessGroup or a sequence of ranks.
         ValueError: The group belongs to a destroyed world, or this rank is not in it.
     """
-    world = TORCH_WORLD._default_pg
+    world = _registry.current._default_pg
     if group is None:
         return NO_GROUP if world is None else _comm_of(world)
+    here = NO_GROUP if world is None else None
     if isinstance(group, ProcessGroup):
         if world is None or not is_registered(group):
             fail(
                 ValueError,
                 fn,
-                NO_GROUP if world is None else _comm_of(world),
+                here or _comm_of(world),
                 "group belongs to a process group that was destroyed",
                 "Create groups again (distkit.utils.get_group) after init_dist",
             )
@@ -164,8 +180,6 @@ def resolve(group: Any, fn: str) -> Comm:
             _not_member("the group", fn)
         return _comm_of(group)
     if isinstance(group, (list, tuple, range)):
-        from distkit.utils.groups import get_group
-
         try:
             pg = get_group(group)
         except (TypeError, ValueError) as exc:
@@ -180,15 +194,13 @@ def resolve(group: Any, fn: str) -> Comm:
     fail(
         TypeError,
         fn,
-        NO_GROUP if world is None else _comm_of(world),
-        f"group must be None, a ProcessGroup or a list of global ranks, "
-        f"got {type(group).__name__}",
+        here or _comm_of(world),
+        f"group must be None, a ProcessGroup or a list of global ranks, got {type(group).__name__}",
     )
 
 
-def _not_member(what: str, fn: str) -> None:
-    world = TORCH_WORLD._default_pg
-    comm = _comm_of(world)
+def _not_member(what: str, fn: str) -> NoReturn:
+    comm = _comm_of(_registry.current._default_pg)
     fail(
         ValueError,
         fn,

@@ -1,6 +1,6 @@
-"""Object collectives on a torch.distributed process group.
+"""Object collectives on a torch.distributed process group (half of the torch backend).
 
-Each object is encoded by :mod:`distkit.dist._serial` into a CPU part (pickled skeleton,
+Each object is encoded by :mod:`distkit.dist._wire` into a CPU part (pickled skeleton,
 CPU tensors, NumPy buffers) and a device part (tensors on the group's accelerator). The
 rounds:
 
@@ -23,22 +23,27 @@ naming it) instead of the others hanging.
 from __future__ import annotations
 
 import struct
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as td
 from torch import Tensor
 
 from distkit._compat import all_gather_single
-from distkit.dist import _serial
-from distkit.dist._checks import fail
-from distkit.dist._serial import Encoded
+from distkit.dist import _pickling, _wire
+from distkit.dist._args import fail
+from distkit.dist._backend import Backend, ObjectCall
 from distkit.dist._watch import watched
+from distkit.dist._wire import Encoded
+from distkit.utils.groups import get_cpu_group
+
+if TYPE_CHECKING:
+    from distkit.dist._comm import Comm
 
 #: Bytes per rank in the first round. An object whose CPU part (pickle + CPU tensors)
 #: fits in ``SLOT_BYTES - SLOT_HEAD`` needs no further round.
 SLOT_BYTES = 4096
-SLOT_HEAD = 64  # int64 status, cpu bytes, device bytes; padded to keep payloads aligned
+SLOT_HEAD = 64  # int64 status, cpu bytes, device bytes, 2 flags; padded for alignment
 INLINE_BYTES = SLOT_BYTES - SLOT_HEAD
 #: Above this size a CPU overflow moves by exact-size broadcasts rather than a padded
 #: all_gather (see BROADCAST_GATHER_BYTES in _torch.py for the measurement).
@@ -52,7 +57,7 @@ class _Channel:
 
     __slots__ = ("comm", "device", "pg")
 
-    def __init__(self, comm: Any, pg: Any, device: torch.device) -> None:
+    def __init__(self, comm: Comm, pg: Any, device: torch.device) -> None:
         self.comm = comm
         self.pg = pg
         self.device = device
@@ -61,9 +66,8 @@ class _Channel:
         return self.comm.global_rank(group_rank)
 
 
-def _channels(comm: Any) -> tuple[_Channel, Optional[_Channel]]:
-    from distkit.utils.groups import get_cpu_group
-
+def _channels(comm: Comm) -> tuple[_Channel, Optional[_Channel]]:
+    """The CPU channel (skeletons and CPU tensors) and the device channel, if any."""
     device = comm.device()
     if device.type == "cpu":
         return _Channel(comm, comm.pg, device), None
@@ -73,32 +77,45 @@ def _channels(comm: Any) -> tuple[_Channel, Optional[_Channel]]:
     return cpu or dev, dev
 
 
-def _encode(comm: Any, obj: Any, name: str, fn: str, dev: Optional[_Channel]) -> tuple:
-    """(Encoded, None) or (None, the TypeError to raise after telling the others)."""
+class _Head(NamedTuple):
+    """The header of one slot: what its sender holds."""
+
+    status: int
+    cpu_bytes: int
+    dev_bytes: int
+    overflows: int  # the sender sends some rank an overflow (all_to_all_object)
+    on_device: int  # the sender sends some rank device bytes (all_to_all_object)
+
+
+def _encode(
+    comm: Comm, obj: Any, name: str, fn: str, dev: Optional[_Channel]
+) -> tuple[Optional[Encoded], Optional[Exception]]:
+    """``(Encoded, None)``, or ``(None, the error to raise after telling the others)``."""
     try:
-        return _serial.encode(obj, name, fn, comm, dev.device if dev else None), None
-    except TypeError as exc:
+        return _wire.encode(obj, name, fn, comm, dev.device if dev else None), None
+    except Exception as exc:  # whatever breaks, the other ranks must hear of it
         return None, exc
 
 
 def _slot(
-    enc: Optional[Encoded], error: Optional[Exception], ch: _Channel, flags: tuple = (0, 0)
+    enc: Optional[Encoded],
+    error: Optional[Exception],
+    ch: _Channel,
+    flags: tuple[bool, bool] = (False, False),
 ) -> Tensor:
-    """One rank's first-round slot: a 64-byte header, then the inline CPU part.
-
-    Header (int64): status, CPU bytes, device bytes, and two sender-wide flags used by
-    all_to_all_object.
-    """
+    """One rank's first-round slot: a 64-byte header, then the inline CPU part."""
     raw = bytearray(SLOT_BYTES)
     if error is not None:
-        message = str(error).encode()[:INLINE_BYTES]
+        text = str(error) if isinstance(error, TypeError) else f"{type(error).__name__}: {error}"
+        message = text.encode()[:INLINE_BYTES]
         head = (FAILED, len(message), 0)
         raw[SLOT_HEAD : SLOT_HEAD + len(message)] = message
     elif enc is not None:
         n = enc.cpu.numel()
-        head = (INLINE if n <= INLINE_BYTES else OVERFLOW, n, enc.dev.numel() if enc.dev is not None else 0)
+        dev_bytes = enc.dev.numel() if enc.dev is not None else 0
+        head = (INLINE if n <= INLINE_BYTES else OVERFLOW, n, dev_bytes)
         if n <= INLINE_BYTES:
-            raw[SLOT_HEAD : SLOT_HEAD + n] = _serial._bytes_view(enc.cpu)
+            raw[SLOT_HEAD : SLOT_HEAD + n] = _wire.bytes_view(enc.cpu)
     else:
         head = (INLINE, 0, 0)
     struct.pack_into("<5q", raw, 0, *head, *(int(f) for f in flags))
@@ -106,24 +123,27 @@ def _slot(
     return slot if ch.device.type == "cpu" else slot.to(ch.device)
 
 
-def _heads(slots: Tensor) -> tuple[Tensor, list[tuple]]:
+def _heads(slots: Tensor) -> tuple[Tensor, list[_Head]]:
     """Host copy of received slots (one row per slot) and their parsed headers."""
     host = slots.reshape(-1, SLOT_BYTES).cpu()
-    raw = _serial._bytes_view(host.reshape(-1))
-    heads = [struct.unpack_from("<5q", raw, r * SLOT_BYTES) for r in range(host.shape[0])]
+    raw = _wire.bytes_view(host.reshape(-1))
+    heads = [_Head(*struct.unpack_from("<5q", raw, r * SLOT_BYTES)) for r in range(host.shape[0])]
     return host, heads
 
 
 def _raise_failures(
-    fn: str, comm: Any, heads: dict[int, list[int]], host: dict[int, Tensor],
+    fn: str,
+    comm: Comm,
+    heads: dict[int, _Head],
+    host: dict[int, Tensor],
     own: Optional[Exception],
 ) -> None:
     if own is not None:
         raise own
-    for r, (status, n, *_) in sorted(heads.items()):
-        if status == FAILED:
-            message = bytes(host[r][SLOT_HEAD : SLOT_HEAD + n].tolist()).decode(errors="replace")
-            fail(TypeError, fn, comm, f"rank {r} could not send its object: {message}")
+    for r, head in sorted(heads.items()):
+        if head.status == FAILED:
+            text = bytes(_inline(host[r], head.cpu_bytes).tolist()).decode(errors="replace")
+            fail(TypeError, fn, comm, f"rank {r} could not send its object: {text}")
 
 
 def _inline(host_row: Tensor, n: int) -> Tensor:
@@ -149,13 +169,17 @@ def _share(ch: _Channel, sizes: dict[int, int], mine: Optional[Tensor]) -> dict[
         rows = _padded_all_gather(ch, mine, max(sizes.values()))
         return {r: rows[r, :n] for r, n in sizes.items() if r != rank}
     bufs = {
-        r: mine if r == rank else torch.empty(n, dtype=torch.uint8, device=ch.device)
+        r: torch.empty(n, dtype=torch.uint8, device=ch.device)
         for r, n in sizes.items()
+        if r != rank
     }
-    works = [td.broadcast(bufs[r], ch.src(r), group=ch.pg, async_op=True) for r in sizes]
+    works = [
+        td.broadcast(bufs[r] if r != rank else mine, ch.src(r), group=ch.pg, async_op=True)
+        for r in sizes
+    ]
     for w in works:
         w.wait()
-    return {r: b for r, b in bufs.items() if r != rank}  # type: ignore[misc]
+    return bufs
 
 
 def _send_recv(
@@ -170,160 +194,46 @@ def _send_recv(
     return bufs
 
 
-def _decoder(comm: Any, fn: str, map_location: Any, serializer: str) -> Any:
-    """``decode(sender, cpu_part, dev_part)`` for one call's received objects."""
-
-    def decode(sender: int, cpu: Tensor, dev: Optional[Tensor]) -> Any:
-        return _serial.decode(Encoded(cpu.cpu(), dev), map_location, serializer, sender, fn, comm)
-
-    return decode
+def _decode(comm: Comm, call: ObjectCall, sender: int, cpu: Tensor, dev: Optional[Tensor]) -> Any:
+    enc = Encoded(cpu.cpu(), dev)
+    return _wire.decode(enc, call.map_location, call.serializer, sender, call.fn, comm)
 
 
-@watched("all_gather_object")
-def all_gather_object(comm: Any, data: Any, fn: str, map_location: Any, serializer: str) -> list:
-    cpu, dev = _channels(comm)
-    decode = _decoder(comm, fn, map_location, serializer)
-    enc, error = _encode(comm, data, "data", fn, dev)
-    slots = torch.empty(comm.size * SLOT_BYTES, dtype=torch.uint8, device=cpu.device)
-    all_gather_single(slots, _slot(enc, error, cpu), group=cpu.pg)
-    host, heads = _heads(slots)
-    _raise_failures(fn, comm, dict(enumerate(heads)), dict(enumerate(host)), error)
-    rank = comm.rank
-    big = {r: h[1] for r, h in enumerate(heads) if h[0] == OVERFLOW}
-    cpu_parts = _share(cpu, big, enc.cpu)  # type: ignore[union-attr]
-    dev_sizes = {r: h[2] for r, h in enumerate(heads) if h[2]}
-    dev_parts = {}
-    if dev is not None and dev_sizes:
-        dev_parts = _share(dev, dev_sizes, enc.dev)  # type: ignore[union-attr]
+def _received(
+    comm: Comm,
+    call: ObjectCall,
+    own: Any,
+    heads: list[_Head],
+    host: Tensor,
+    cpu_parts: Any,
+    dev_parts: Any,
+) -> list[Any]:
+    """One object per rank: ``own`` at this rank's index, the others decoded."""
     out = []
-    for r, (status, n, *_) in enumerate(heads):
-        if r == rank:
-            out.append(data)
+    for r, head in enumerate(heads):
+        if r == comm.rank:
+            out.append(own)
             continue
-        part = cpu_parts[r] if status == OVERFLOW else _inline(host[r], n)
-        out.append(decode(r, part, dev_parts.get(r)))
+        part = cpu_parts[r] if head.status == OVERFLOW else _inline(host[r], head.cpu_bytes)
+        out.append(_decode(comm, call, r, part, dev_parts[r] if dev_parts else None))
     return out
 
 
-@watched("gather_object")
-def gather_object(
-    comm: Any, data: Any, dst: int, fn: str, map_location: Any, serializer: str
-) -> Optional[list]:
-    cpu, dev = _channels(comm)
-    decode = _decoder(comm, fn, map_location, serializer)
-    rank, dst_global = comm.rank, comm.global_rank(dst)
-    if rank != dst:
-        enc, error = _encode(comm, data, "data", fn, dev)
-        td.gather(_slot(enc, error, cpu), None, dst=dst_global, group=cpu.pg)
-        if error is not None:
-            raise error
-        if enc.cpu.numel() > INLINE_BYTES:  # type: ignore[union-attr]
-            _send_recv(cpu, {dst: enc.cpu}, {})  # type: ignore[union-attr]
-        if enc.dev is not None:  # type: ignore[union-attr]
-            _send_recv(dev, {dst: enc.dev}, {})  # type: ignore[arg-type,union-attr]
-        return None
-
-    error = None
-    try:
-        _serial.check(data, "data", fn, comm)
-    except TypeError as exc:
-        error = exc
-    slots = [torch.empty(SLOT_BYTES, dtype=torch.uint8, device=cpu.device) for _ in range(comm.size)]
-    td.gather(_slot(None, None, cpu), slots, dst=dst_global, group=cpu.pg)
-    host, heads = _heads(torch.stack(slots))
-    others = {r: h for r, h in enumerate(heads) if r != rank}
-    _raise_failures(fn, comm, others, dict(enumerate(host)), error)
-    cpu_parts = _send_recv(cpu, {}, {r: h[1] for r, h in others.items() if h[0] == OVERFLOW})
-    dev_parts = (
-        _send_recv(dev, {}, {r: h[2] for r, h in others.items() if h[2]}) if dev is not None else {}
-    )
-    out = []
-    for r in range(comm.size):
-        if r == rank:
-            out.append(data)
-            continue
-        status, n = heads[r][:2]
-        part = cpu_parts[r] if status == OVERFLOW else _inline(host[r], n)
-        out.append(decode(r, part, dev_parts.get(r)))
-    return out
-
-
-@watched("broadcast_object")
-def broadcast_object(
-    comm: Any, obj: Any, src: int, fn: str, name: str, map_location: Any, serializer: str
-) -> Any:
-    cpu, dev = _channels(comm)
-    decode = _decoder(comm, fn, map_location, serializer)
-    rank, src_global = comm.rank, comm.global_rank(src)
-    enc, error = _encode(comm, obj, name, fn, dev) if rank == src else (None, None)
-    slot = _slot(enc, error, cpu)
-    td.broadcast(slot, src_global, group=cpu.pg)
-    if rank == src:
-        if error is not None:
-            raise error
-        if enc.cpu.numel() > INLINE_BYTES:  # type: ignore[union-attr]
-            td.broadcast(enc.cpu.to(cpu.device), src_global, group=cpu.pg)  # type: ignore[union-attr]
-        if enc.dev is not None:  # type: ignore[union-attr]
-            td.broadcast(enc.dev, src_global, group=dev.pg)  # type: ignore[union-attr]
-        return obj
-    host, heads = _heads(slot)
-    status, n, dev_n = heads[0][:3]
-    _raise_failures(fn, comm, {src: heads[0]}, {src: host[0]}, None)
-    if status == OVERFLOW:
-        part = torch.empty(n, dtype=torch.uint8, device=cpu.device)
-        td.broadcast(part, src_global, group=cpu.pg)
-    else:
-        part = _inline(host[0], n)
-    dev_part = None
-    if dev_n:
-        dev_part = torch.empty(dev_n, dtype=torch.uint8, device=dev.device)  # type: ignore[union-attr]
-        td.broadcast(dev_part, src_global, group=dev.pg)  # type: ignore[union-attr]
-    return decode(src, part, dev_part)
-
-
-def _encode_each(comm: Any, items: list, fn: str, dev: Optional[_Channel]) -> tuple:
+def _encode_each(
+    comm: Comm, items: list[Any], fn: str, dev: Optional[_Channel]
+) -> tuple[list[Optional[Encoded]], Optional[Exception]]:
     """Encode ``items[r]`` for every other rank r; this rank's own item is only checked."""
-    encs: list = []
+    encs: list[Optional[Encoded]] = []
     for r, item in enumerate(items):
         try:
             if r == comm.rank:
-                _serial.check(item, f"data[{r}]", fn, comm)
+                _pickling.check(item, f"data[{r}]", fn, comm)
                 encs.append(None)
             else:
-                encs.append(
-                    _serial.encode(item, f"data[{r}]", fn, comm, dev.device if dev else None)
-                )
-        except TypeError as exc:
+                encs.append(_wire.encode(item, f"data[{r}]", fn, comm, dev.device if dev else None))
+        except Exception as exc:
             return [None] * comm.size, exc
     return encs, None
-
-
-@watched("scatter_object")
-def scatter_object(
-    comm: Any, data: Optional[list], src: int, fn: str, map_location: Any, serializer: str
-) -> Any:
-    cpu, dev = _channels(comm)
-    decode = _decoder(comm, fn, map_location, serializer)
-    rank, src_global = comm.rank, comm.global_rank(src)
-    mine = torch.empty(SLOT_BYTES, dtype=torch.uint8, device=cpu.device)
-    if rank != src:
-        td.scatter(mine, None, src=src_global, group=cpu.pg)
-        host, heads = _heads(mine)
-        status, n, dev_n = heads[0][:3]
-        _raise_failures(fn, comm, {src: heads[0]}, {src: host[0]}, None)
-        part = _send_recv(cpu, {}, {src: n})[src] if status == OVERFLOW else _inline(host[0], n)
-        dev_part = _send_recv(dev, {}, {src: dev_n})[src] if dev_n else None  # type: ignore[arg-type]
-        return decode(src, part, dev_part)
-
-    encs, error = _encode_each(comm, data, fn, dev)  # type: ignore[arg-type]
-    td.scatter(mine, [_slot(e, error, cpu) for e in encs], src=src_global, group=cpu.pg)
-    if error is not None:
-        raise error
-    sent = [(r, e) for r, e in enumerate(encs) if e is not None]
-    _send_recv(cpu, {r: e.cpu for r, e in sent if e.cpu.numel() > INLINE_BYTES}, {})
-    if dev is not None:
-        _send_recv(dev, {r: e.dev for r, e in sent if e.dev is not None}, {})
-    return data[src]  # type: ignore[index]
 
 
 def _all_to_all_bytes(
@@ -338,42 +248,165 @@ def _all_to_all_bytes(
     return list(out.split(out_sizes))
 
 
-@watched("all_to_all_object")
-def all_to_all_object(
-    comm: Any, data: list, fn: str, map_location: Any, serializer: str
-) -> list:
-    cpu, dev = _channels(comm)
-    decode = _decoder(comm, fn, map_location, serializer)
-    rank, size = comm.rank, comm.size
-    encs, error = _encode_each(comm, data, fn, dev)
-    # Each slot also carries two flags of its sender: "I send an overflow to someone" and
-    # "I send device bytes to someone". Every rank gets a slot from every rank, so all
-    # agree on whether rounds 2 and 3 happen without a round of their own.
-    big = any(e is not None and e.cpu.numel() > INLINE_BYTES for e in encs)
-    on_dev = any(e is not None and e.dev is not None for e in encs)
-    send = torch.cat([_slot(e, error, cpu, (big, on_dev)) for e in encs])
-    recv = torch.empty_like(send)
-    td.all_to_all_single(recv, send, group=cpu.pg)
-    host, heads = _heads(recv)
-    others = {r: h for r, h in enumerate(heads) if r != rank}
-    _raise_failures(fn, comm, others, dict(enumerate(host)), error)
+class _Parts(dict):
+    """Received parts by rank; a missing rank has none."""
 
-    cpu_parts: list = [None] * size
-    if any(h[3] for h in heads):
-        sizes = [h[1] if h[0] == OVERFLOW and r != rank else 0 for r, h in enumerate(heads)]
-        parts = [e.cpu if e is not None and e.cpu.numel() > INLINE_BYTES else None for e in encs]
-        cpu_parts = _all_to_all_bytes(cpu, sizes, parts)
-    dev_parts: list = [None] * size
-    if dev is not None and any(h[4] for h in heads):
-        sizes = [h[2] if r != rank else 0 for r, h in enumerate(heads)]
-        parts = [e.dev if e is not None else None for e in encs]
-        dev_parts = [p if p.numel() else None for p in _all_to_all_bytes(dev, sizes, parts)]
-    out = []
-    for r in range(size):
-        if r == rank:
-            out.append(data[r])
-            continue
-        status, n = heads[r][:2]
-        part = cpu_parts[r] if status == OVERFLOW else _inline(host[r], n)
-        out.append(decode(r, part, dev_parts[r]))
-    return out
+    def __missing__(self, key: int) -> None:
+        return None
+
+
+class TorchObjects(Backend):
+    """The object collectives of the torch backend (:class:`~distkit.dist._torch.TorchBackend`)."""
+
+    @watched
+    def all_gather_object(self, comm: Comm, data: Any, call: ObjectCall) -> list[Any]:
+        cpu, dev = _channels(comm)
+        enc, error = _encode(comm, data, "data", call.fn, dev)
+        slots = torch.empty(comm.size * SLOT_BYTES, dtype=torch.uint8, device=cpu.device)
+        all_gather_single(slots, _slot(enc, error, cpu), group=cpu.pg)
+        host, heads = _heads(slots)
+        _raise_failures(call.fn, comm, dict(enumerate(heads)), dict(enumerate(host)), error)
+        assert enc is not None
+        big = {r: h.cpu_bytes for r, h in enumerate(heads) if h.status == OVERFLOW}
+        cpu_parts = _share(cpu, big, enc.cpu)
+        dev_sizes = {r: h.dev_bytes for r, h in enumerate(heads) if h.dev_bytes}
+        dev_parts = _Parts()
+        if dev is not None and dev_sizes:
+            dev_parts.update(_share(dev, dev_sizes, enc.dev))
+        return _received(comm, call, data, heads, host, cpu_parts, dev_parts)
+
+    @watched
+    def gather_object(
+        self, comm: Comm, data: Any, dst: int, call: ObjectCall
+    ) -> Optional[list[Any]]:
+        cpu, dev = _channels(comm)
+        rank, dst_global = comm.rank, comm.global_rank(dst)
+        if rank != dst:
+            enc, error = _encode(comm, data, "data", call.fn, dev)
+            td.gather(_slot(enc, error, cpu), None, dst=dst_global, group=cpu.pg)
+            if error is not None:
+                raise error
+            assert enc is not None
+            if enc.cpu.numel() > INLINE_BYTES:
+                _send_recv(cpu, {dst: enc.cpu}, {})
+            if enc.dev is not None and dev is not None:
+                _send_recv(dev, {dst: enc.dev}, {})
+            return None
+
+        own: Optional[Exception] = None
+        try:
+            _pickling.check(data, "data", call.fn, comm)
+        except TypeError as exc:
+            own = exc
+        slots = [
+            torch.empty(SLOT_BYTES, dtype=torch.uint8, device=cpu.device) for _ in range(comm.size)
+        ]
+        td.gather(_slot(None, None, cpu), slots, dst=dst_global, group=cpu.pg)
+        host, heads = _heads(torch.stack(slots))
+        others = {r: h for r, h in enumerate(heads) if r != rank}
+        _raise_failures(call.fn, comm, others, dict(enumerate(host)), own)
+        big = {r: h.cpu_bytes for r, h in others.items() if h.status == OVERFLOW}
+        cpu_parts = _send_recv(cpu, {}, big)
+        dev_parts = _Parts()
+        if dev is not None:
+            dev_parts.update(
+                _send_recv(dev, {}, {r: h.dev_bytes for r, h in others.items() if h.dev_bytes})
+            )
+        return _received(comm, call, data, heads, host, cpu_parts, dev_parts)
+
+    @watched
+    def broadcast_object(self, comm: Comm, obj: Any, src: int, name: str, call: ObjectCall) -> Any:
+        cpu, dev = _channels(comm)
+        rank, src_global = comm.rank, comm.global_rank(src)
+        enc, error = _encode(comm, obj, name, call.fn, dev) if rank == src else (None, None)
+        slot = _slot(enc, error, cpu)
+        td.broadcast(slot, src_global, group=cpu.pg)
+        if rank == src:
+            if error is not None:
+                raise error
+            assert enc is not None
+            if enc.cpu.numel() > INLINE_BYTES:
+                td.broadcast(enc.cpu.to(cpu.device), src_global, group=cpu.pg)
+            if enc.dev is not None and dev is not None:
+                td.broadcast(enc.dev, src_global, group=dev.pg)
+            return obj
+        host, heads = _heads(slot)
+        head = heads[0]
+        _raise_failures(call.fn, comm, {src: head}, {src: host[0]}, None)
+        if head.status == OVERFLOW:
+            part = torch.empty(head.cpu_bytes, dtype=torch.uint8, device=cpu.device)
+            td.broadcast(part, src_global, group=cpu.pg)
+        else:
+            part = _inline(host[0], head.cpu_bytes)
+        dev_part = None
+        if head.dev_bytes and dev is not None:
+            dev_part = torch.empty(head.dev_bytes, dtype=torch.uint8, device=dev.device)
+            td.broadcast(dev_part, src_global, group=dev.pg)
+        return _decode(comm, call, src, part, dev_part)
+
+    @watched
+    def scatter_object(
+        self, comm: Comm, data: Optional[list[Any]], src: int, call: ObjectCall
+    ) -> Any:
+        cpu, dev = _channels(comm)
+        rank, src_global = comm.rank, comm.global_rank(src)
+        mine = torch.empty(SLOT_BYTES, dtype=torch.uint8, device=cpu.device)
+        if rank != src:
+            td.scatter(mine, None, src=src_global, group=cpu.pg)
+            host, heads = _heads(mine)
+            head = heads[0]
+            _raise_failures(call.fn, comm, {src: head}, {src: host[0]}, None)
+            if head.status == OVERFLOW:
+                part = _send_recv(cpu, {}, {src: head.cpu_bytes})[src]
+            else:
+                part = _inline(host[0], head.cpu_bytes)
+            dev_part = None
+            if head.dev_bytes and dev is not None:
+                dev_part = _send_recv(dev, {}, {src: head.dev_bytes})[src]
+            return _decode(comm, call, src, part, dev_part)
+
+        assert data is not None  # checked on src
+        encs, error = _encode_each(comm, data, call.fn, dev)
+        td.scatter(mine, [_slot(e, error, cpu) for e in encs], src=src_global, group=cpu.pg)
+        if error is not None:
+            raise error
+        sent = [(r, e) for r, e in enumerate(encs) if e is not None]
+        _send_recv(cpu, {r: e.cpu for r, e in sent if e.cpu.numel() > INLINE_BYTES}, {})
+        if dev is not None:
+            _send_recv(dev, {r: e.dev for r, e in sent if e.dev is not None}, {})
+        return data[src]
+
+    @watched
+    def all_to_all_object(self, comm: Comm, data: list[Any], call: ObjectCall) -> list[Any]:
+        cpu, dev = _channels(comm)
+        rank, size = comm.rank, comm.size
+        encs, error = _encode_each(comm, data, call.fn, dev)
+        # Each slot also carries two flags of its sender: "I send an overflow to someone"
+        # and "I send device bytes to someone". Every rank gets a slot from every rank, so
+        # all agree on whether rounds 2 and 3 happen without a round of their own.
+        big = any(e is not None and e.cpu.numel() > INLINE_BYTES for e in encs)
+        on_dev = any(e is not None and e.dev is not None for e in encs)
+        send = torch.cat([_slot(e, error, cpu, (big, on_dev)) for e in encs])
+        recv = torch.empty_like(send)
+        td.all_to_all_single(recv, send, group=cpu.pg)
+        host, heads = _heads(recv)
+        others = {r: h for r, h in enumerate(heads) if r != rank}
+        _raise_failures(call.fn, comm, others, dict(enumerate(host)), error)
+
+        cpu_parts: list[Any] = [None] * size
+        if any(h.overflows for h in heads):
+            sizes = [
+                h.cpu_bytes if h.status == OVERFLOW and r != rank else 0
+                for r, h in enumerate(heads)
+            ]
+            parts = [
+                e.cpu if e is not None and e.cpu.numel() > INLINE_BYTES else None for e in encs
+            ]
+            cpu_parts = _all_to_all_bytes(cpu, sizes, parts)
+        dev_parts = _Parts()
+        if dev is not None and any(h.on_device for h in heads):
+            sizes = [h.dev_bytes if r != rank else 0 for r, h in enumerate(heads)]
+            dev_send = [e.dev if e is not None else None for e in encs]
+            received = _all_to_all_bytes(dev, sizes, dev_send)
+            dev_parts.update({r: p for r, p in enumerate(received) if p.numel()})
+        return _received(comm, call, data[rank], heads, host, cpu_parts, dev_parts)

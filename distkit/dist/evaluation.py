@@ -4,24 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import chain, zip_longest
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from distkit.dist import _checks
-from distkit.dist._comm import GroupLike, resolve
+from distkit.dist import _args
+from distkit.dist._comm import Comm, GroupLike, resolve
 from distkit.dist.objects import all_gather_object, gather_object
 from distkit.dist.tensor import all_reduce
 from distkit.utils.console import track
-
-__all__ = ["collect_results", "collect_results_cpu", "collect_results_gpu"]
 
 ORDERS = ("interleaved", "contiguous")
 #: Results per rank moved in one round: bounds memory per round, and paces the progress bar.
 CHUNK_ITEMS = 65536
 
 
-def _ordered(parts: list[list], size: int, order: str, fn: str, comm: Any) -> list:
+def _ordered(parts: list[list], size: int, order: str, fn: str, comm: Comm) -> list:
     """Merge per-rank result lists into dataset order and cut them to ``size``."""
     if order == "contiguous":
         merged = list(chain.from_iterable(parts))
@@ -33,33 +31,42 @@ def _ordered(parts: list[list], size: int, order: str, fn: str, comm: Any) -> li
         merged = [item for item in rounds if item is not gap]
     if len(merged) < size:
         counts = ", ".join(f"rank {r}: {len(p)}" for r, p in enumerate(parts))
-        _checks.fail(
-            ValueError, fn, comm,
-            f"the ranks returned {len(merged)} results in total ({counts}), "
-            f"fewer than size={size}",
+        _args.fail(
+            ValueError,
+            fn,
+            comm,
+            f"the ranks returned {len(merged)} results in total ({counts}), fewer than size={size}",
             "Every sample must be evaluated by some rank: use a sampler without drop_last, "
             "or pass the number of samples actually evaluated as size",
         )
     return merged[:size]
 
 
-def _by_index(parts: list[list], index_parts: list[list], size: int, fn: str, comm: Any) -> list:
+def _by_index(parts: list[list], index_parts: list[list], size: int, fn: str, comm: Comm) -> list:
     """Place each result at its dataset index; the first copy of a repeated index wins."""
     out: list = [None] * size
     seen = [False] * size
     for r, (part, idx) in enumerate(zip(parts, index_parts)):
         for item, i in zip(part, idx):
             if not 0 <= i < size:
-                _checks.fail(ValueError, fn, comm,
-                             f"rank {r} reported dataset index {i}, outside 0..{size - 1}")
+                _args.fail(
+                    ValueError,
+                    fn,
+                    comm,
+                    f"rank {r} reported dataset index {i}, outside 0..{size - 1}",
+                )
             if not seen[i]:
                 seen[i] = True
                 out[i] = item
     missing = [i for i, s in enumerate(seen) if not s]
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
-        _checks.fail(ValueError, fn, comm,
-                     f"{len(missing)} dataset indices were evaluated by no rank: {shown}")
+        _args.fail(
+            ValueError,
+            fn,
+            comm,
+            f"{len(missing)} dataset indices were evaluated by no rank: {shown}",
+        )
     return out
 
 
@@ -135,22 +142,29 @@ def collect_results(
     fn = "collect_results"
     comm = resolve(group, fn)
     if isinstance(results, (str, bytes)) or not isinstance(results, Sequence):
-        _checks.fail(TypeError, fn, comm,
-                     f"results must be a list, got {_checks.describe(results)}")
+        _args.fail(TypeError, fn, comm, f"results must be a list, got {_args.show(results)}")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        _checks.fail(TypeError, fn, comm,
-                     f"size must be a non-negative int, got {_checks.describe(size)}")
+        _args.fail(TypeError, fn, comm, f"size must be a non-negative int, got {_args.show(size)}")
     if dst is not None:
-        _checks.rank(dst, "dst", fn, comm)
+        _args.rank(dst, "dst", fn, comm)
     if indices is not None:
         indices = list(indices)
         if len(indices) != len(results):
-            _checks.fail(ValueError, fn, comm,
-                         f"indices has {len(indices)} entries but results has {len(results)}",
-                         "Give one dataset index per result")
+            _args.fail(
+                ValueError,
+                fn,
+                comm,
+                f"indices has {len(indices)} entries but results has {len(results)}",
+                "Give one dataset index per result",
+            )
     elif order not in ORDERS:
-        _checks.fail(ValueError, fn, comm, f"unknown order {order!r}",
-                     f"Use one of {', '.join(ORDERS)}, or pass indices")
+        _args.fail(
+            ValueError,
+            fn,
+            comm,
+            f"unknown order {order!r}",
+            f"Use one of {', '.join(ORDERS)}, or pass indices",
+        )
 
     # One tiny round tells every rank the longest shard, so all agree on the chunks.
     longest = int(all_reduce(torch.tensor([len(results)]), "max", group).item())
@@ -179,8 +193,9 @@ def collect_results(
     return _ordered(parts, size, order, fn, comm)
 
 
-def collect_results_cpu(result_part: Sequence, size: int,
-                        tmpdir: Optional[str] = None) -> Optional[list]:
+def collect_results_cpu(
+    result_part: Sequence, size: int, tmpdir: Optional[str] = None
+) -> Optional[list]:
     """mmengine's name for :func:`collect_results` (results on rank 0; no tmpdir used).
 
     Args:

@@ -10,11 +10,10 @@ import torch
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from distkit.dist import _checks
+from distkit.dist import _args, _ops
 from distkit.dist._comm import GroupLike, resolve
+from distkit.dist._ops import OpLike
 from distkit.dist.tensor import all_reduce, broadcast
-
-__all__ = ["all_reduce_dict", "all_reduce_params", "sync_random_seed"]
 
 
 def _buckets(tensors: list[Tensor], bucket_bytes: int) -> list[list[Tensor]]:
@@ -37,7 +36,7 @@ def _buckets(tensors: list[Tensor], bucket_bytes: int) -> list[list[Tensor]]:
     return out
 
 
-def _reduce_coalesced(tensors: list[Tensor], op: Any, group: Any, bucket_bytes: int) -> None:
+def _reduce_coalesced(tensors: list[Tensor], op: str, group: GroupLike, bucket_bytes: int) -> None:
     for bucket in _buckets(tensors, bucket_bytes):
         flat = _flatten_dense_tensors(bucket)
         all_reduce(flat, op, group)
@@ -45,8 +44,9 @@ def _reduce_coalesced(tensors: list[Tensor], op: Any, group: Any, bucket_bytes: 
             t.copy_(reduced)
 
 
-def all_reduce_dict(data: Mapping[Any, Tensor], op: Any = "sum",
-                    group: GroupLike = None) -> Mapping[Any, Tensor]:
+def all_reduce_dict(
+    data: Mapping[Any, Tensor], op: OpLike = "sum", group: GroupLike = None
+) -> Mapping[Any, Tensor]:
     """Reduce every tensor of a dict across ranks, in place, in one call per dtype.
 
     Collective: every rank in ``group`` must call this with the same keys.
@@ -84,13 +84,12 @@ def all_reduce_dict(data: Mapping[Any, Tensor], op: Any = "sum",
     fn = "all_reduce_dict"
     comm = resolve(group, fn)
     if not isinstance(data, Mapping):
-        _checks.fail(TypeError, fn, comm,
-                     f"data must be a dict of tensors, got {_checks.describe(data)}")
-    rop = _checks.op(op, fn, comm)
+        _args.fail(TypeError, fn, comm, f"data must be a dict of tensors, got {_args.show(data)}")
+    rop = _ops.resolve(op, fn, comm)
     keys = sorted(data, key=str)
     for k in keys:
-        _checks.tensor(data[k], f"data[{k!r}]", fn, comm)
-        _checks.op_dtype(rop, data[k], f"data[{k!r}]", fn, comm)
+        _args.tensor(data[k], f"data[{k!r}]", fn, comm)
+        _ops.check_dtype(rop, data[k], f"data[{k!r}]", fn, comm)
     if comm.pg is None or not keys:
         return data
     _reduce_coalesced([data[k] for k in keys], rop.name, group, -1)
@@ -101,7 +100,7 @@ def all_reduce_params(
     params: Iterable[Tensor],
     coalesce: bool = True,
     bucket_size_mb: float = -1,
-    op: Any = "sum",
+    op: OpLike = "sum",
     group: GroupLike = None,
 ) -> list[Tensor]:
     """Reduce parameters (or any tensors) across ranks, in place.
@@ -135,11 +134,20 @@ def all_reduce_params(
     """
     fn = "all_reduce_params"
     comm = resolve(group, fn)
-    rop = _checks.op(op, fn, comm)
+    rop = _ops.resolve(op, fn, comm)
+    _args.flag(coalesce, "coalesce", fn, comm)
+    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
+        _args.fail(
+            TypeError,
+            fn,
+            comm,
+            f"bucket_size_mb must be a number, got {_args.show(bucket_size_mb)}",
+            "Pass a size in MiB, or -1 for one bucket per dtype",
+        )
     tensors = list(params)
     for i, t in enumerate(tensors):
-        _checks.tensor(t, f"params[{i}]", fn, comm)
-        _checks.op_dtype(rop, t, f"params[{i}]", fn, comm)
+        _args.tensor(t, f"params[{i}]", fn, comm)
+        _ops.check_dtype(rop, t, f"params[{i}]", fn, comm)
     if comm.pg is None:
         return tensors
     data = [t.data for t in tensors]

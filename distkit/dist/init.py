@@ -9,25 +9,25 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as td
 
-from distkit._compat import TORCH_WORLD as _TW
-from distkit.utils import launch as _launch
+from distkit import _registry
+from distkit.dist.world import forget_local_group
+from distkit.utils import environ
 from distkit.utils.device import BACKEND_DEVICES
-
-__all__ = ["default_backend", "destroy_dist", "infer_launcher", "init_dist"]
+from distkit.utils.groups import clear_group_cache
 
 
 def infer_launcher() -> str:
     """Name of the launcher that started this process: pytorch, slurm, mpi or none.
 
-    See :func:`distkit.utils.launch.infer_launcher` for the rules (and the reason, which
-    ``distkit info`` prints).
+    See :func:`distkit.utils.environ.detect_launcher` for the rules (and the reason,
+    which ``distkit info`` prints).
 
     Examples:
         >>> import distkit.dist as dist
         >>> dist.infer_launcher() in ("pytorch", "slurm", "mpi", "none")
         True
     """
-    return _launch.infer_launcher()[0]
+    return environ.detect_launcher()[0]
 
 
 def default_backend(local_size: int = 1) -> str:
@@ -105,19 +105,19 @@ def init_dist(
             f"init_dist: init_backend={init_backend!r} is not supported; distkit runs on "
             "torch.distributed (init_backend='torch')"
         )
-    if _TW._default_pg is not None:
-        pg = _TW._default_pg
+    pg = _registry.current._default_pg
+    if pg is not None:
         return pg.rank(), pg.size()
     if launcher == "auto":
-        launcher = _launch.infer_launcher()[0]
-    if launcher not in _launch.LAUNCHERS:
+        launcher = environ.detect_launcher()[0]
+    if launcher not in environ.LAUNCHERS:
         raise ValueError(
-            f"init_dist: launcher must be one of auto, {', '.join(_launch.LAUNCHERS)}; "
+            f"init_dist: launcher must be one of auto, {', '.join(environ.LAUNCHERS)}; "
             f"got {launcher!r}"
         )
     if launcher == "none":
         return 0, 1
-    env = _launch.launcher_env(launcher, port=kwargs.pop("port", None))
+    env = environ.launcher_env(launcher, port=kwargs.pop("port", None))
     os.environ.update(env)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     local_rank, local_size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
@@ -149,10 +149,7 @@ def destroy_dist() -> None:
         >>> import distkit.dist as dist
         >>> dist.destroy_dist()
     """
-    from distkit.dist.world import _forget_local_group
-    from distkit.utils.groups import clear_group_cache
-
     clear_group_cache()
-    _forget_local_group()
-    if _TW._default_pg is not None:
+    forget_local_group()
+    if _registry.current._default_pg is not None:
         td.destroy_process_group()

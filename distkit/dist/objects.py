@@ -8,7 +8,7 @@ another). Only the rest of the object is pickled. Small objects take one round; 
 
 Aliasing, the same in every world: what comes back from this rank is the caller's own
 object, not a copy (``all_gather_object(x)[rank] is x``); what comes from other ranks is
-new. Received tensors are views of one receive buffer; ``.clone()`` one to keep it alone.
+new.
 
 Every object handed in must be picklable, on every rank, in every world: a single
 process checks it too (with a pickling dry run that skips tensor data), so code that
@@ -21,29 +21,42 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from distkit._compat import TORCH_WORLD as _TW
-from distkit.dist import _checks, _serial
-from distkit.dist._comm import GroupLike, resolve
-from distkit.dist._serial import ATOMS as _ATOMS
-from distkit.dist._serial import ENV_OK as _ENV_OK
-
-__all__ = [
-    "all_gather_object",
-    "all_to_all_object",
-    "broadcast_object",
-    "broadcast_object_list",
-    "gather_object",
-    "scatter_object_list",
-]
-
-# atoms the single-process fast path returns at once; none while DISTKIT_SERIALIZER is bad,
-# so that the slow path raises the error a world of many ranks would
-_FAST_ATOMS = _ATOMS if _ENV_OK else frozenset()
+from distkit.dist import _args, _pickling, serializer
+from distkit.dist._backend import ObjectCall
+from distkit.dist._comm import Comm, GroupLike, resolve
+from distkit.dist._shortcut import shortcut
 
 
+def _call(fn: str, comm: Comm, map_location: Any, serializer_name: Optional[str]) -> ObjectCall:
+    """Check the options every object collective takes."""
+    device = _args.map_location(map_location, fn, comm)
+    return ObjectCall(fn, device, serializer.resolve(serializer_name, fn, comm))
+
+
+def _flat_dict(data: Any) -> bool:
+    return data.__class__ is dict and _pickling.flat(data)
+
+
+def _never(data: Any) -> bool:
+    return False
+
+
+# The single-process shortcut returns atoms and flat dicts of atoms (a step's metrics)
+# at once; nothing while DISTKIT_SERIALIZER is bad, so that the checked path raises the
+# error a world of many ranks would.
+@shortcut(
+    "[data]",
+    data=(_pickling.ATOMS, _flat_dict) if serializer.ENV_OK else _never,
+    group=None,
+    map_location=None,
+    serializer=None,
+)
 def all_gather_object(
-    data: Any, group: GroupLike = None, map_location: Any = None, serializer: Optional[str] = None
-) -> list:
+    data: Any,
+    group: GroupLike = None,
+    map_location: Any = None,
+    serializer: Optional[str] = None,
+) -> list[Any]:
     """Gather a picklable object from every rank.
 
     Collective: every rank in ``group`` must call this.
@@ -74,14 +87,10 @@ def all_gather_object(
             dist.all_gather_object(["foo", 12, {1: 2}][dist.get_rank()])
             # every rank: ['foo', 12, {1: 2}]
     """
-    if group is None and serializer is None and _TW._default_pg is None:
-        kind = type(data)
-        if kind in _FAST_ATOMS or (kind is dict and _ENV_OK and _serial.flat(data)):
-            return [data]
     fn = "all_gather_object"
     comm = resolve(group, fn)
-    ser = _serial.resolve_serializer(serializer, fn, comm)
-    return comm.impl.all_gather_object(comm, data, fn, map_location, ser)
+    call = _call(fn, comm, map_location, serializer)
+    return comm.backend.all_gather_object(comm, data, call)
 
 
 def gather_object(
@@ -90,7 +99,7 @@ def gather_object(
     group: GroupLike = None,
     map_location: Any = None,
     serializer: Optional[str] = None,
-) -> Optional[list]:
+) -> Optional[list[Any]]:
     """Gather a picklable object from every rank onto ``dst``.
 
     Collective: every rank in ``group`` must call this.
@@ -125,18 +134,18 @@ def gather_object(
     """
     fn = "gather_object"
     comm = resolve(group, fn)
-    _checks.rank(dst, "dst", fn, comm)
-    ser = _serial.resolve_serializer(serializer, fn, comm)
-    return comm.impl.gather_object(comm, data, dst, fn, map_location, ser)
+    dst = _args.rank(dst, "dst", fn, comm)
+    call = _call(fn, comm, map_location, serializer)
+    return comm.backend.gather_object(comm, data, dst, call)
 
 
 def broadcast_object_list(
-    data: list,
+    data: list[Any],
     src: int = 0,
     group: GroupLike = None,
     map_location: Any = None,
     serializer: Optional[str] = None,
-) -> list:
+) -> list[Any]:
     """Broadcast the list ``data`` from ``src``, filling every rank's list in place.
 
     Collective: every rank in ``group`` must call this.
@@ -174,13 +183,18 @@ def broadcast_object_list(
     """
     fn = "broadcast_object_list"
     comm = resolve(group, fn)
-    _checks.rank(src, "src", fn, comm)
+    src = _args.rank(src, "src", fn, comm)
     if not isinstance(data, list):
-        _checks.fail(TypeError, fn, comm, f"data must be a list, got {_checks.describe(data)}",
-                     "Use broadcast_object to send a single object")
-    ser = _serial.resolve_serializer(serializer, fn, comm)
-    received = comm.impl.broadcast_object(
-        comm, data if comm.rank == src else None, src, fn, "data", map_location, ser
+        _args.fail(
+            TypeError,
+            fn,
+            comm,
+            f"data must be a list, got {_args.show(data)}",
+            "Use broadcast_object to send a single object",
+        )
+    call = _call(fn, comm, map_location, serializer)
+    received = comm.backend.broadcast_object(
+        comm, data if comm.rank == src else None, src, "data", call
     )
     if comm.rank != src:
         data[:] = received
@@ -226,13 +240,13 @@ def broadcast_object(
     """
     fn = "broadcast_object"
     comm = resolve(group, fn)
-    _checks.rank(src, "src", fn, comm)
-    ser = _serial.resolve_serializer(serializer, fn, comm)
-    return comm.impl.broadcast_object(comm, obj, src, fn, "obj", map_location, ser)
+    src = _args.rank(src, "src", fn, comm)
+    call = _call(fn, comm, map_location, serializer)
+    return comm.backend.broadcast_object(comm, obj, src, "obj", call)
 
 
 def scatter_object_list(
-    data: Optional[list] = None,
+    data: Optional[list[Any]] = None,
     src: int = 0,
     group: GroupLike = None,
     map_location: Any = None,
@@ -271,16 +285,19 @@ def scatter_object_list(
     """
     fn = "scatter_object_list"
     comm = resolve(group, fn)
-    _checks.rank(src, "src", fn, comm)
+    src = _args.rank(src, "src", fn, comm)
+    call = _call(fn, comm, map_location, serializer)
     if comm.rank == src:
-        _object_list(data, fn, comm)
-    ser = _serial.resolve_serializer(serializer, fn, comm)
-    return comm.impl.scatter_object(comm, data, src, fn, map_location, ser)
+        data = _args.object_list(data, fn, comm)
+    return comm.backend.scatter_object(comm, data, src, call)
 
 
 def all_to_all_object(
-    data: list, group: GroupLike = None, map_location: Any = None, serializer: Optional[str] = None
-) -> list:
+    data: list[Any],
+    group: GroupLike = None,
+    map_location: Any = None,
+    serializer: Optional[str] = None,
+) -> list[Any]:
     """Send the object ``data[r]`` to rank ``r``; return what each rank sent to this one.
 
     Collective: every rank in ``group`` must call this.
@@ -315,21 +332,6 @@ def all_to_all_object(
     """
     fn = "all_to_all_object"
     comm = resolve(group, fn)
-    _object_list(data, fn, comm)
-    ser = _serial.resolve_serializer(serializer, fn, comm)
-    return comm.impl.all_to_all_object(comm, data, fn, map_location, ser)
-
-
-def _object_list(data: Any, fn: str, comm: Any) -> None:
-    if not isinstance(data, (list, tuple)):
-        _checks.fail(
-            TypeError, fn, comm,
-            f"data must be a list of {comm.size} objects (one per rank), "
-            f"got {_checks.describe(data)}",
-        )
-    if len(data) != comm.size:
-        _checks.fail(
-            ValueError, fn, comm,
-            f"data must hold {comm.size} objects (one per rank), got {len(data)}",
-            "Pass exactly one object for each rank of the group",
-        )
+    data = _args.object_list(data, fn, comm)
+    call = _call(fn, comm, map_location, serializer)
+    return comm.backend.all_to_all_object(comm, data, call)

@@ -6,42 +6,44 @@ every list result holds the caller's own tensor at this rank's index (not a copy
 tensors elsewhere; reductions that produce a new shape (``reduce_scatter``,
 ``all_to_all_single``) return new tensors and leave the input alone.
 
-``src`` and ``dst`` are ranks within ``group``. Each function first checks whether it
-can return at once (no process group, default arguments): that path costs a few tens
-of nanoseconds above a plain function call, because it runs in every training step.
+Autograd, the same in every world: collectives are not recorded. New tensors they return
+do not require grad; an in-place result is the caller's tensor, with whatever autograd
+history it had before the call. (For gradients through a collective, see ``grad=``.)
+
+``src`` and ``dst`` are ranks within ``group``. The hottest calls carry a compiled
+shortcut (:mod:`distkit.dist._shortcut`) that returns at once in a single process when
+their arguments are the defaults.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Literal, Optional, Union, overload
 
-import torch
 from torch import Tensor
 
-from distkit._compat import TORCH_WORLD as _TW
-from distkit.dist import _checks
+from distkit.dist import _args, _ops
 from distkit.dist._comm import GroupLike, resolve
-
-__all__ = [
-    "all_gather",
-    "all_reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "broadcast",
-    "gather",
-    "reduce",
-    "reduce_scatter",
-    "scatter",
-]
-
-# dtypes whose single-process mean is the tensor itself with no check left to make
-_MEAN_FAST = frozenset([torch.float16, torch.bfloat16, torch.float32, torch.float64])
+from distkit.dist._ops import OpLike
+from distkit.dist._shortcut import shortcut
+from distkit.dist.handle import Handle
 
 
+@overload
 def all_reduce(
-    data: Tensor, op: Any = "sum", group: GroupLike = None, async_op: bool = False
-) -> Tensor:
+    data: Tensor, op: OpLike = ..., group: GroupLike = ..., async_op: Literal[False] = ...
+) -> Tensor: ...
+@overload
+def all_reduce(
+    data: Tensor, op: OpLike = ..., group: GroupLike = ..., *, async_op: Literal[True]
+) -> Handle[Tensor]: ...
+@overload
+def all_reduce(
+    data: Tensor, op: OpLike = ..., group: GroupLike = ..., async_op: bool = ...
+) -> Union[Tensor, Handle[Tensor]]: ...
+@shortcut("data", data=Tensor, op="sum", group=None, async_op=False)
+def all_reduce(
+    data: Tensor, op: OpLike = "sum", group: GroupLike = None, async_op: bool = False
+) -> Union[Tensor, Handle[Tensor]]:
     """Reduce ``data`` across ranks, in place, and return it.
 
     Collective: every rank in ``group`` must call this.
@@ -78,24 +80,34 @@ def all_reduce(
             dist.all_reduce(torch.tensor([dist.get_rank() + 1]))
             # every rank: tensor([3])
     """
-    if (
-        group is None
-        and not async_op
-        and data.__class__ is Tensor
-        and _TW._default_pg is None
-        and (op == "sum" or (op == "mean" and data.dtype in _MEAN_FAST))
-    ):
-        return data
-    comm = resolve(group, "all_reduce")
-    _checks.tensor(data, "data", "all_reduce", comm)
-    rop = _checks.op(op, "all_reduce", comm)
-    _checks.op_dtype(rop, data, "data", "all_reduce", comm)
-    return comm.impl.all_reduce(comm, data, rop, async_op)
+    fn = "all_reduce"
+    comm = resolve(group, fn)
+    _args.tensor(data, "data", fn, comm)
+    rop = _ops.resolve(op, fn, comm)
+    _ops.check_dtype(rop, data, "data", fn, comm)
+    _args.flag(async_op, "async_op", fn, comm)
+    return comm.backend.all_reduce(comm, data, rop, async_op)
 
 
+@overload
+def all_gather(
+    data: Tensor,
+    group: GroupLike = ...,
+    async_op: Literal[False] = ...,
+    same_shape: bool = ...,
+) -> list[Tensor]: ...
+@overload
+def all_gather(
+    data: Tensor, group: GroupLike = ..., *, async_op: Literal[True], same_shape: bool = ...
+) -> Handle[list[Tensor]]: ...
+@overload
+def all_gather(
+    data: Tensor, group: GroupLike = ..., async_op: bool = ..., same_shape: bool = ...
+) -> Union[list[Tensor], Handle[list[Tensor]]]: ...
+@shortcut("[data]", data=Tensor, group=None, async_op=False, same_shape=(False, True))
 def all_gather(
     data: Tensor, group: GroupLike = None, async_op: bool = False, same_shape: bool = False
-) -> list[Tensor]:
+) -> Union[list[Tensor], Handle[list[Tensor]]]:
     """Gather ``data`` from every rank; shapes may differ between ranks.
 
     Collective: every rank in ``group`` must call this.
@@ -134,20 +146,47 @@ def all_gather(
             dist.all_gather(torch.arange(dist.get_rank() + 1))
             # every rank: [tensor([0]), tensor([0, 1])]
     """
-    if group is None and not async_op and data.__class__ is Tensor and _TW._default_pg is None:
-        return [data]
-    comm = resolve(group, "all_gather")
-    _checks.tensor(data, "data", "all_gather", comm)
-    return comm.impl.all_gather(comm, data, async_op, same_shape)
+    fn = "all_gather"
+    comm = resolve(group, fn)
+    _args.tensor(data, "data", fn, comm)
+    _args.flag(async_op, "async_op", fn, comm)
+    _args.flag(same_shape, "same_shape", fn, comm)
+    return comm.backend.all_gather(comm, data, async_op, same_shape)
 
 
+@overload
+def gather(
+    data: Tensor,
+    dst: int = ...,
+    group: GroupLike = ...,
+    async_op: Literal[False] = ...,
+    same_shape: bool = ...,
+) -> list[Tensor]: ...
+@overload
+def gather(
+    data: Tensor,
+    dst: int = ...,
+    group: GroupLike = ...,
+    *,
+    async_op: Literal[True],
+    same_shape: bool = ...,
+) -> Handle[list[Tensor]]: ...
+@overload
+def gather(
+    data: Tensor,
+    dst: int = ...,
+    group: GroupLike = ...,
+    async_op: bool = ...,
+    same_shape: bool = ...,
+) -> Union[list[Tensor], Handle[list[Tensor]]]: ...
+@shortcut("[data]", data=Tensor, dst=0, group=None, async_op=False, same_shape=(False, True))
 def gather(
     data: Tensor,
     dst: int = 0,
     group: GroupLike = None,
     async_op: bool = False,
     same_shape: bool = False,
-) -> list[Tensor]:
+) -> Union[list[Tensor], Handle[list[Tensor]]]:
     """Gather ``data`` from every rank onto ``dst``; shapes may differ between ranks.
 
     Collective: every rank in ``group`` must call this.
@@ -181,13 +220,31 @@ def gather(
             # rank 0: []
             # rank 1: [tensor([0]), tensor([1])]
     """
-    comm = resolve(group, "gather")
-    _checks.tensor(data, "data", "gather", comm)
-    _checks.rank(dst, "dst", "gather", comm)
-    return comm.impl.gather(comm, data, dst, async_op, same_shape)
+    fn = "gather"
+    comm = resolve(group, fn)
+    _args.tensor(data, "data", fn, comm)
+    dst = _args.rank(dst, "dst", fn, comm)
+    _args.flag(async_op, "async_op", fn, comm)
+    _args.flag(same_shape, "same_shape", fn, comm)
+    return comm.backend.gather(comm, data, dst, async_op, same_shape)
 
 
-def broadcast(data: Tensor, src: int = 0, group: GroupLike = None, async_op: bool = False) -> Tensor:
+@overload
+def broadcast(
+    data: Tensor, src: int = ..., group: GroupLike = ..., async_op: Literal[False] = ...
+) -> Tensor: ...
+@overload
+def broadcast(
+    data: Tensor, src: int = ..., group: GroupLike = ..., *, async_op: Literal[True]
+) -> Handle[Tensor]: ...
+@overload
+def broadcast(
+    data: Tensor, src: int = ..., group: GroupLike = ..., async_op: bool = ...
+) -> Union[Tensor, Handle[Tensor]]: ...
+@shortcut("data", data=Tensor, src=0, group=None, async_op=False)
+def broadcast(
+    data: Tensor, src: int = 0, group: GroupLike = None, async_op: bool = False
+) -> Union[Tensor, Handle[Tensor]]:
     """Copy ``src``'s ``data`` into every rank's ``data``, in place, and return it.
 
     Collective: every rank in ``group`` must call this, with tensors of one shape and dtype.
@@ -220,23 +277,43 @@ def broadcast(data: Tensor, src: int = 0, group: GroupLike = None, async_op: boo
             dist.broadcast(torch.tensor([dist.get_rank() + 10]), src=1)
             # every rank: tensor([11])
     """
-    if (
-        group is None
-        and src == 0
-        and not async_op
-        and data.__class__ is Tensor
-        and _TW._default_pg is None
-    ):
-        return data
-    comm = resolve(group, "broadcast")
-    _checks.tensor(data, "data", "broadcast", comm)
-    _checks.rank(src, "src", "broadcast", comm)
-    return comm.impl.broadcast(comm, data, src, async_op)
+    fn = "broadcast"
+    comm = resolve(group, fn)
+    _args.tensor(data, "data", fn, comm)
+    src = _args.rank(src, "src", fn, comm)
+    _args.flag(async_op, "async_op", fn, comm)
+    return comm.backend.broadcast(comm, data, src, async_op)
 
 
+@overload
 def reduce(
-    data: Tensor, dst: int = 0, op: Any = "sum", group: GroupLike = None, async_op: bool = False
-) -> Tensor:
+    data: Tensor,
+    dst: int = ...,
+    op: OpLike = ...,
+    group: GroupLike = ...,
+    async_op: Literal[False] = ...,
+) -> Tensor: ...
+@overload
+def reduce(
+    data: Tensor,
+    dst: int = ...,
+    op: OpLike = ...,
+    group: GroupLike = ...,
+    *,
+    async_op: Literal[True],
+) -> Handle[Tensor]: ...
+@overload
+def reduce(
+    data: Tensor, dst: int = ..., op: OpLike = ..., group: GroupLike = ..., async_op: bool = ...
+) -> Union[Tensor, Handle[Tensor]]: ...
+@shortcut("data", data=Tensor, dst=0, op="sum", group=None, async_op=False)
+def reduce(
+    data: Tensor,
+    dst: int = 0,
+    op: OpLike = "sum",
+    group: GroupLike = None,
+    async_op: bool = False,
+) -> Union[Tensor, Handle[Tensor]]:
     """Reduce ``data`` across ranks onto ``dst``.
 
     Collective: every rank in ``group`` must call this.
@@ -273,20 +350,44 @@ def reduce(
             # rank 0: tensor([3])
             # rank 1: tensor([2])
     """
-    comm = resolve(group, "reduce")
-    _checks.tensor(data, "data", "reduce", comm)
-    _checks.rank(dst, "dst", "reduce", comm)
-    rop = _checks.op(op, "reduce", comm)
-    _checks.op_dtype(rop, data, "data", "reduce", comm)
-    return comm.impl.reduce(comm, data, dst, rop, async_op)
+    fn = "reduce"
+    comm = resolve(group, fn)
+    _args.tensor(data, "data", fn, comm)
+    dst = _args.rank(dst, "dst", fn, comm)
+    rop = _ops.resolve(op, fn, comm)
+    _ops.check_dtype(rop, data, "data", fn, comm)
+    _args.flag(async_op, "async_op", fn, comm)
+    return comm.backend.reduce(comm, data, dst, rop, async_op)
 
 
+@overload
 def reduce_scatter(
     data: Union[Tensor, list[Tensor]],
-    op: Any = "sum",
+    op: OpLike = ...,
+    group: GroupLike = ...,
+    async_op: Literal[False] = ...,
+) -> Tensor: ...
+@overload
+def reduce_scatter(
+    data: Union[Tensor, list[Tensor]],
+    op: OpLike = ...,
+    group: GroupLike = ...,
+    *,
+    async_op: Literal[True],
+) -> Handle[Tensor]: ...
+@overload
+def reduce_scatter(
+    data: Union[Tensor, list[Tensor]],
+    op: OpLike = ...,
+    group: GroupLike = ...,
+    async_op: bool = ...,
+) -> Union[Tensor, Handle[Tensor]]: ...
+def reduce_scatter(
+    data: Union[Tensor, list[Tensor]],
+    op: OpLike = "sum",
     group: GroupLike = None,
     async_op: bool = False,
-) -> Tensor:
+) -> Union[Tensor, Handle[Tensor]]:
     """Reduce across ranks, then give rank ``r`` the ``r``-th chunk of the result.
 
     Collective: every rank in ``group`` must call this, with chunks of one shape.
@@ -325,7 +426,7 @@ def reduce_scatter(
     comm = resolve(group, fn)
     if isinstance(data, Tensor):
         if data.dim() == 0 or data.shape[0] % comm.size:
-            _checks.fail(
+            _args.fail(
                 ValueError,
                 fn,
                 comm,
@@ -335,16 +436,32 @@ def reduce_scatter(
             )
         first = data
     else:
-        data = _checks.tensor_list(data, "data", fn, comm, same_shape=True)
+        data = _args.tensor_list(data, "data", fn, comm, same_shape=True)
         first = data[0]
-    rop = _checks.op(op, fn, comm)
-    _checks.op_dtype(rop, first, "data", fn, comm)
-    return comm.impl.reduce_scatter(comm, data, rop, async_op)
+    rop = _ops.resolve(op, fn, comm)
+    _ops.check_dtype(rop, first, "data", fn, comm)
+    _args.flag(async_op, "async_op", fn, comm)
+    return comm.backend.reduce_scatter(comm, data, rop, async_op)
 
 
+@overload
+def all_to_all(
+    data: list[Tensor],
+    group: GroupLike = ...,
+    async_op: Literal[False] = ...,
+    same_shape: bool = ...,
+) -> list[Tensor]: ...
+@overload
+def all_to_all(
+    data: list[Tensor], group: GroupLike = ..., *, async_op: Literal[True], same_shape: bool = ...
+) -> Handle[list[Tensor]]: ...
+@overload
+def all_to_all(
+    data: list[Tensor], group: GroupLike = ..., async_op: bool = ..., same_shape: bool = ...
+) -> Union[list[Tensor], Handle[list[Tensor]]]: ...
 def all_to_all(
     data: list[Tensor], group: GroupLike = None, async_op: bool = False, same_shape: bool = False
-) -> list[Tensor]:
+) -> Union[list[Tensor], Handle[list[Tensor]]]:
     """Send ``data[r]`` to rank ``r``; return what each rank sent to this one.
 
     Collective: every rank in ``group`` must call this.
@@ -388,18 +505,46 @@ def all_to_all(
             # rank 2: [tensor([2]), tensor([6]), tensor([10]), tensor([14])]
             # rank 3: [tensor([3]), tensor([7]), tensor([11]), tensor([15])]
     """
-    comm = resolve(group, "all_to_all")
-    data = _checks.tensor_list(data, "data", "all_to_all", comm, same_shape=same_shape)
-    return comm.impl.all_to_all(comm, data, async_op, same_shape)
+    fn = "all_to_all"
+    comm = resolve(group, fn)
+    _args.flag(same_shape, "same_shape", fn, comm)
+    data = _args.tensor_list(data, "data", fn, comm, same_shape=same_shape)
+    _args.flag(async_op, "async_op", fn, comm)
+    return comm.backend.all_to_all(comm, data, async_op, same_shape)
 
 
+@overload
+def all_to_all_single(
+    data: Tensor,
+    output_split_sizes: Optional[list[int]] = ...,
+    input_split_sizes: Optional[list[int]] = ...,
+    group: GroupLike = ...,
+    async_op: Literal[False] = ...,
+) -> Tensor: ...
+@overload
+def all_to_all_single(
+    data: Tensor,
+    output_split_sizes: Optional[list[int]] = ...,
+    input_split_sizes: Optional[list[int]] = ...,
+    group: GroupLike = ...,
+    *,
+    async_op: Literal[True],
+) -> Handle[Tensor]: ...
+@overload
+def all_to_all_single(
+    data: Tensor,
+    output_split_sizes: Optional[list[int]] = ...,
+    input_split_sizes: Optional[list[int]] = ...,
+    group: GroupLike = ...,
+    async_op: bool = ...,
+) -> Union[Tensor, Handle[Tensor]]: ...
 def all_to_all_single(
     data: Tensor,
     output_split_sizes: Optional[list[int]] = None,
     input_split_sizes: Optional[list[int]] = None,
     group: GroupLike = None,
     async_op: bool = False,
-) -> Tensor:
+) -> Union[Tensor, Handle[Tensor]]:
     """Split ``data`` along dim 0, send piece ``r`` to rank ``r``, concatenate what arrives.
 
     Collective: every rank in ``group`` must call this.
@@ -436,14 +581,14 @@ def all_to_all_single(
     """
     fn = "all_to_all_single"
     comm = resolve(group, fn)
-    _checks.tensor(data, "data", fn, comm)
-    rows = data.shape[0] if data.dim() else 0
+    _args.tensor(data, "data", fn, comm)
     if data.dim() == 0:
-        _checks.fail(ValueError, fn, comm, "data must have at least one dimension")
+        _args.fail(ValueError, fn, comm, "data must have at least one dimension")
+    rows = data.shape[0]
     if input_split_sizes is not None:
-        input_split_sizes = _checks.splits(input_split_sizes, "input_split_sizes", rows, fn, comm)
+        input_split_sizes = _args.splits(input_split_sizes, "input_split_sizes", rows, fn, comm)
     elif rows % comm.size:
-        _checks.fail(
+        _args.fail(
             ValueError,
             fn,
             comm,
@@ -451,18 +596,41 @@ def all_to_all_single(
             "Pass input_split_sizes",
         )
     if output_split_sizes is not None:
-        output_split_sizes = _checks.splits(
-            output_split_sizes, "output_split_sizes", None, fn, comm
-        )
-    return comm.impl.all_to_all_single(comm, data, output_split_sizes, input_split_sizes, async_op)
+        output_split_sizes = _args.splits(output_split_sizes, "output_split_sizes", None, fn, comm)
+    _args.flag(async_op, "async_op", fn, comm)
+    return comm.backend.all_to_all_single(
+        comm, data, output_split_sizes, input_split_sizes, async_op
+    )
 
 
+@overload
+def scatter(
+    data: Optional[list[Tensor]] = ...,
+    src: int = ...,
+    group: GroupLike = ...,
+    async_op: Literal[False] = ...,
+) -> Tensor: ...
+@overload
+def scatter(
+    data: Optional[list[Tensor]] = ...,
+    src: int = ...,
+    group: GroupLike = ...,
+    *,
+    async_op: Literal[True],
+) -> Handle[Tensor]: ...
+@overload
+def scatter(
+    data: Optional[list[Tensor]] = ...,
+    src: int = ...,
+    group: GroupLike = ...,
+    async_op: bool = ...,
+) -> Union[Tensor, Handle[Tensor]]: ...
 def scatter(
     data: Optional[list[Tensor]] = None,
     src: int = 0,
     group: GroupLike = None,
     async_op: bool = False,
-) -> Tensor:
+) -> Union[Tensor, Handle[Tensor]]:
     """Send ``data[r]`` from ``src`` to rank ``r``; shapes may differ per rank.
 
     Collective: every rank in ``group`` must call this.
@@ -498,13 +666,16 @@ def scatter(
             # rank 0: tensor([0.])
             # rank 1: tensor([1., 1.])
     """
-    comm = resolve(group, "scatter")
-    _checks.rank(src, "src", "scatter", comm)
+    fn = "scatter"
+    comm = resolve(group, fn)
+    src = _args.rank(src, "src", fn, comm)
+    _args.flag(async_op, "async_op", fn, comm)
     if comm.rank == src:
-        data = _checks.tensor_list(data, "data", "scatter", comm)
-    return comm.impl.scatter(comm, data, src, async_op)
+        data = _args.tensor_list(data, "data", fn, comm)
+    return comm.backend.scatter(comm, data, src, async_op)
 
 
+@shortcut("None", group=None)
 def barrier(group: GroupLike = None) -> None:
     """Block until every rank of ``group`` reaches this call.
 
@@ -518,7 +689,5 @@ def barrier(group: GroupLike = None) -> None:
         >>> import distkit.dist as dist
         >>> dist.barrier()
     """
-    if group is None and _TW._default_pg is None:
-        return None
     comm = resolve(group, "barrier")
-    return comm.impl.barrier(comm)
+    return comm.backend.barrier(comm)

@@ -1,4 +1,9 @@
-"""Rank and world information: cheap, and correct with or without a process group."""
+"""Rank and world information: cheap, and correct with or without a process group.
+
+Torch-free at import: ``import distkit.dist; dist.get_rank()`` must not pay for
+importing torch (see :mod:`distkit._registry`). A ``group`` argument other than ``None``
+imports the rest (:mod:`distkit.dist._comm`) on first use.
+"""
 
 from __future__ import annotations
 
@@ -8,34 +13,12 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
-# Torch-free at import: ``import distkit.dist; dist.get_rank()`` must not pay for
-# importing torch (see distkit/_world.py). Group arguments import the rest on demand.
-from distkit import _world
+from distkit import _registry
+from distkit.dist._shortcut import shortcut
 
 if TYPE_CHECKING:
     from distkit._compat import ProcessGroup
-    from distkit.dist._comm import GroupLike
-
-
-def resolve(group: Any, fn: str) -> Any:
-    from distkit.dist._comm import resolve as _resolve
-
-    return _resolve(group, fn)
-
-__all__ = [
-    "get_backend",
-    "get_default_group",
-    "get_dist_info",
-    "get_local_group",
-    "get_local_rank",
-    "get_local_size",
-    "get_rank",
-    "get_world_size",
-    "init_local_group",
-    "is_distributed",
-    "is_main_process",
-    "master_only",
-]
+    from distkit.dist._comm import Comm, GroupLike
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -43,6 +26,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 # group itself lives in the group cache (or is the world), the owner in torch.
 _local_group: Optional[weakref.ref] = None
 _local_owner: Optional[weakref.ref] = None  # the default group it was created under
+
+
+def _resolve(group: Any, fn: str) -> Comm:
+    # imported here: it needs torch, which an explicit group means is loaded anyway
+    from distkit.dist._comm import resolve
+
+    return resolve(group, fn)
 
 
 def is_distributed() -> bool:
@@ -53,7 +43,7 @@ def is_distributed() -> bool:
         >>> dist.is_distributed()
         False
     """
-    return _world.WORLD._default_pg is not None
+    return _registry.current._default_pg is not None
 
 
 def get_default_group() -> Optional[ProcessGroup]:
@@ -64,9 +54,10 @@ def get_default_group() -> Optional[ProcessGroup]:
         >>> dist.get_default_group() is None
         True
     """
-    return _world.WORLD._default_pg
+    return _registry.current._default_pg  # type: ignore[no-any-return]
 
 
+@shortcut("0", world="pg.rank()", group=None)
 def get_rank(group: GroupLike = None) -> int:
     """This process's rank within ``group``.
 
@@ -86,12 +77,10 @@ def get_rank(group: GroupLike = None) -> int:
         >>> dist.get_rank()
         0
     """
-    if group is None:
-        pg = _world.WORLD._default_pg
-        return 0 if pg is None else pg.rank()
-    return resolve(group, "get_rank").rank
+    return _resolve(group, "get_rank").rank
 
 
+@shortcut("1", world="pg.size()", group=None)
 def get_world_size(group: GroupLike = None) -> int:
     """Number of ranks in ``group``.
 
@@ -111,12 +100,10 @@ def get_world_size(group: GroupLike = None) -> int:
         >>> dist.get_world_size()
         1
     """
-    if group is None:
-        pg = _world.WORLD._default_pg
-        return 1 if pg is None else pg.size()
-    return resolve(group, "get_world_size").size
+    return _resolve(group, "get_world_size").size
 
 
+@shortcut("(0, 1)", world="(pg.rank(), pg.size())", group=None)
 def get_dist_info(group: GroupLike = None) -> tuple[int, int]:
     """``(rank, world_size)`` of ``group``.
 
@@ -133,10 +120,7 @@ def get_dist_info(group: GroupLike = None) -> tuple[int, int]:
         >>> dist.get_dist_info()
         (0, 1)
     """
-    if group is None:
-        pg = _world.WORLD._default_pg
-        return (0, 1) if pg is None else (pg.rank(), pg.size())
-    comm = resolve(group, "get_dist_info")
+    comm = _resolve(group, "get_dist_info")
     return comm.rank, comm.size
 
 
@@ -183,6 +167,7 @@ def master_only(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+@shortcut("None", group=None)
 def get_backend(group: GroupLike = None) -> Optional[str]:
     """Lower-case backend name of ``group`` (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``...).
 
@@ -196,19 +181,17 @@ def get_backend(group: GroupLike = None) -> Optional[str]:
         >>> dist.get_backend() is None
         True
     """
-    if group is None and _world.WORLD._default_pg is None:
-        return None
-    return resolve(group, "get_backend").backend
+    return _resolve(group, "get_backend").backend_name
 
 
 def _env_int(name: str) -> Optional[int]:
     value = os.environ.get(name)
-    return int(value) if value not in (None, "") else None  # type: ignore[arg-type]
+    return int(value) if value else None
 
 
 def _owned_local_group() -> Any:
     if _local_group is not None and _local_owner is not None:
-        if _local_owner() is _world.WORLD._default_pg:
+        if _local_owner() is _registry.current._default_pg:
             return _local_group()
     return None
 
@@ -242,7 +225,7 @@ def get_local_rank() -> int:
         >>> dist.get_local_rank()
         0
     """
-    if _world.WORLD._default_pg is None:
+    if not is_distributed():
         return 0
     return _local(lambda g: g.rank(), "LOCAL_RANK", "get_local_rank")
 
@@ -260,7 +243,7 @@ def get_local_size() -> int:
         >>> dist.get_local_size()
         1
     """
-    if _world.WORLD._default_pg is None:
+    if not is_distributed():
         return 1
     return _local(lambda g: g.size(), "LOCAL_WORLD_SIZE", "get_local_size")
 
@@ -278,10 +261,10 @@ def init_local_group(node_rank: int, num_gpus_per_node: int) -> None:
         num_gpus_per_node: Ranks per machine.
     """
     global _local_group, _local_owner
-    world = _world.WORLD._default_pg
+    world = get_default_group()
     if world is None:
         return
-    from distkit.utils.groups import get_group
+    from distkit.utils.groups import get_group  # needs torch, loaded with the world
 
     groups = {}
     for node in range(world.size() // num_gpus_per_node):
@@ -302,7 +285,7 @@ def get_local_group() -> Optional[ProcessGroup]:
         >>> dist.get_local_group() is None
         True
     """
-    if _world.WORLD._default_pg is None:
+    if not is_distributed():
         return None
     group = _owned_local_group()
     if group is None:
@@ -310,13 +293,14 @@ def get_local_group() -> Optional[ProcessGroup]:
             "get_local_group: no local group; call init_local_group(node_rank, "
             "ranks_per_node) on every rank first"
         )
-    return group
+    return group  # type: ignore[no-any-return]
 
 
-def _forget_local_group() -> None:
+def forget_local_group() -> None:
+    """Drop the local group (:func:`~distkit.dist.destroy_dist` and exit call this)."""
     global _local_group, _local_owner
     _local_group = None
     _local_owner = None
 
 
-atexit.register(_forget_local_group)  # never keep a group alive into interpreter shutdown
+atexit.register(forget_local_group)  # never keep a group alive into interpreter shutdown

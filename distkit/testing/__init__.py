@@ -28,7 +28,7 @@ import functools
 import inspect
 from typing import Any, Callable, Optional
 
-from distkit.testing._pool import (
+from distkit.local.pool import (
     DEFAULT_PG_TIMEOUT,
     DEFAULT_TIMEOUT,
     RankError,
@@ -77,9 +77,9 @@ def run_in_world(
         One result per rank (a list of one for ``world_size=0``).
     """
     if world_size == 0:
-        from distkit._compat import TORCH_WORLD
+        from distkit import _registry
 
-        if TORCH_WORLD._default_pg is not None:
+        if _registry.current._default_pg is not None:
             raise RuntimeError("run_in_world(0): a process group exists in this process")
         body = getattr(fn, "__distkit_body__", fn)
         return [body(*args, **kwargs)]

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import pytest
 
-from distkit.testing._pool import RankPool, get_pool, shutdown_pools
+from distkit.local.pool import RankPool, get_pool, shutdown_pools
 
 
 @pytest.fixture

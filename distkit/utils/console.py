@@ -7,6 +7,7 @@ a coloured ``[rank r/n]`` tag on every line; :class:`RankHandler` does the same 
 is not a terminal (a log file, CI) they write plain text: no colours, no bars.
 
 Torch-free at import, like ``distkit.dist.world``: these work before torch is loaded.
+The rank comes from :mod:`distkit._registry`, as everywhere in distkit.
 """
 
 from __future__ import annotations
@@ -18,19 +19,18 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional, TypeVar, Union
 
+from distkit import _registry
+
 T = TypeVar("T")
 Ranks = Union[int, str, Iterable[int], None]
-
-__all__ = ["RankHandler", "get_logger", "print", "track"]
 
 #: Colours cycled over ranks in terminal output.
 PALETTE = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 
 
 def _rank_and_size() -> tuple[int, int]:
-    from distkit.dist.world import get_dist_info
-
-    return get_dist_info()
+    pg = _registry.current._default_pg
+    return (0, 1) if pg is None else (pg.rank(), pg.size())
 
 
 def _is_main() -> bool:

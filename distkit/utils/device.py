@@ -10,9 +10,9 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from distkit._compat import TORCH_WORLD, ProcessGroup, accelerator_current_index, backend_config
-
-__all__ = ["BACKEND_DEVICES", "cast_data_device", "get_comm_device", "get_data_device"]
+from distkit import _registry
+from distkit._compat import ProcessGroup, accelerator_current_index, backend_config
+from distkit.utils.groups import get_group
 
 #: Device type each communication backend moves tensors on.
 BACKEND_DEVICES = {
@@ -80,7 +80,7 @@ def get_comm_device(group: Any = None, data: Any = None) -> torch.device:
         >>> get_comm_device()
         device(type='cpu')
     """
-    world = TORCH_WORLD._default_pg
+    world = _registry.current._default_pg
     if world is None:
         return torch.device("cpu")
     if group is None:
@@ -88,8 +88,6 @@ def get_comm_device(group: Any = None, data: Any = None) -> torch.device:
     elif isinstance(group, ProcessGroup):
         pg = group
     else:
-        from distkit.utils.groups import get_group
-
         pg = get_group(group)
     types = backend_device_types(backend_config(pg).lower())
     if data is not None and len(types) > 1:

@@ -21,9 +21,8 @@ from typing import Any, Optional, Union
 
 import torch.distributed as td
 
-from distkit._compat import TORCH_WORLD, ProcessGroup, backend_config, backend_name
-
-__all__ = ["clear_group_cache", "get_cpu_group", "get_group", "group_ranks"]
+from distkit import _registry
+from distkit._compat import ProcessGroup, backend_config, backend_name
 
 _Key = tuple[tuple[int, ...], str, Optional[float]]
 
@@ -109,7 +108,7 @@ def get_group(
         >>> get_group([0]) is None
         True
     """
-    world = TORCH_WORLD._default_pg
+    world = _registry.current._default_pg
     if world is None:
         _normalize_ranks(ranks, 1)
         return None
@@ -158,7 +157,7 @@ def get_cpu_group(group: Any = None) -> Optional[ProcessGroup]:
         >>> get_cpu_group() is None
         True
     """
-    world = TORCH_WORLD._default_pg
+    world = _registry.current._default_pg
     if world is None:
         return None
     if group is None:
@@ -194,9 +193,9 @@ def clear_group_cache(destroy: bool = False) -> None:
     _groups.clear()
     _cpu_twins.clear()
     _owner = None
-    if destroy and TORCH_WORLD._default_pg is not None:
+    if destroy and _registry.current._default_pg is not None:
         for pg in pgs:
-            if pg is not TORCH_WORLD._default_pg:
+            if pg is not _registry.current._default_pg:
                 td.destroy_process_group(pg)
 
 

@@ -1,9 +1,7 @@
-"""Run a function, or a script, on local ranks without torchrun.
+"""Run a script on local ranks without torchrun: ``distkit launch -n N script.py``.
 
-:func:`launch` runs a Python function on ``nprocs`` ranks of a fresh process group and
-returns what each rank returned. :func:`run_script` (``distkit launch -n N script.py``)
-runs a script on N ranks with the variables torchrun would set, so the script's own
-``dist.init_dist()`` (or ``torch.distributed.init_process_group()``) joins them.
+Each rank is a fresh interpreter with the variables torchrun would set, so the script's
+own ``dist.init_dist()`` (or ``torch.distributed.init_process_group()``) joins them.
 """
 
 from __future__ import annotations
@@ -15,115 +13,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from distkit.testing._pool import STOP_GRACE, RankPool
-
-__all__ = ["launch", "run_script"]
-
-#: Collective timeout of a launched world when ``launch`` is given no timeout.
-DEFAULT_PG_TIMEOUT = 1800.0
-
-
-def _default_backend(nprocs: int) -> str:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs:
-        return "nccl"
-    return "gloo"
-
-
-def _default_start_method() -> str:
-    """fork where it is safe (it also runs lambdas and functions typed in a REPL)."""
-    import torch
-
-    from distkit import _world
-
-    if not sys.platform.startswith("linux"):
-        return "spawn"
-    if torch.cuda.is_initialized() or _world.WORLD._default_pg is not None:
-        return "forkserver"  # a forked child cannot use the parent's CUDA or gloo threads
-    if threading.active_count() > 1:
-        return "forkserver"  # another thread may hold a lock the child would inherit
-    return "fork"
-
-
-def launch(
-    fn: Callable[..., Any],
-    nprocs: int = 2,
-    args: Sequence[Any] = (),
-    kwargs: Optional[dict] = None,
-    backend: Optional[str] = None,
-    timeout: Optional[float] = None,
-    *,
-    start_method: Optional[str] = None,
-    env: Optional[dict] = None,
-) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks; return each rank's result.
-
-    Every rank starts inside a process group (a FileStore rendezvous in a private
-    temporary directory: no ports), so ``fn`` can call :mod:`distkit.dist` directly. The
-    ranks are forked from this process where that is safe (no CUDA, process group or other
-    threads here yet), so ``fn`` may be a lambda, a closure or a function typed into an
-    interactive session; otherwise they start from a fork server and ``fn`` must be
-    importable (defined at module level).
-
-    If a rank raises or dies, the other ranks get 3 seconds to finish, are stopped, and
-    the call raises one :class:`~distkit.testing.RankError` with the failing rank's
-    traceback (and where the stopped ranks were). No rank process outlives the call.
-
-    Args:
-        fn: The function each rank runs.
-        nprocs: Number of ranks.
-        args: Positional arguments for ``fn`` (the same on every rank).
-        kwargs: Keyword arguments for ``fn``.
-        backend: ``None`` picks nccl with one GPU per rank where there are enough GPUs,
-            else gloo on the CPU.
-        timeout: Seconds the whole call may take (``None``: no limit); also the
-            collective timeout of the ranks' process group (default 30 minutes).
-        start_method: Force ``fork``, ``forkserver`` or ``spawn``.
-        env: Extra environment variables for the ranks.
-
-    Returns:
-        The return value of ``fn`` on each rank, in rank order.
-
-    Raises:
-        RankError: ``fn`` raised on some rank, or a rank died.
-        RankTimeout: The call took longer than ``timeout``; the message shows every
-            stuck rank's stack.
-
-    Examples:
-        >>> import distkit
-        >>> import distkit.dist as dist
-        >>> distkit.launch(lambda: dist.all_reduce(torch.ones(1)).item(), 2)  # doctest: +SKIP
-        [2.0, 2.0]
-    """
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"launch: nprocs must be an int >= 1, got {nprocs!r}")
-    if not callable(fn):
-        raise TypeError(f"launch: fn must be callable, got {type(fn).__name__}")
-    method = start_method or _default_start_method()
-    pool = RankPool(
-        nprocs,
-        backend or _default_backend(nprocs),
-        timeout=timeout,
-        pg_timeout=timeout if timeout is not None else DEFAULT_PG_TIMEOUT,
-        env={k: str(v) for k, v in (env or {}).items()},
-        start_method=method,
-    )
-    try:
-        if method == "fork":  # hand the task over at fork time: nothing is pickled
-            pool.start(first_task=(fn, tuple(args), dict(kwargs or {})))
-            return pool.results(fn, timeout)
-        return pool.run(fn, *args, timeout=timeout, **dict(kwargs or {}))
-    finally:
-        pool.close()
-
-
-# -- scripts -------------------------------------------------------------------------------
+from distkit.local.pool import STOP_GRACE
 
 
 def _rank_env(rank: int, nprocs: int, port: int, error_file: str) -> dict[str, str]:
@@ -191,7 +85,7 @@ def run_script(
     errors = tempfile.mkdtemp(prefix="distkit-launch-")
     procs = []
     for rank in range(nprocs):
-        cmd = [sys.executable, "-m", "distkit.launcher", "--as-rank"]
+        cmd = [sys.executable, "-m", "distkit.local.script", "--as-rank"]
         cmd += ["--module", script] if module else [script]
         env = _rank_env(rank, nprocs, store.port, os.path.join(errors, f"rank-{rank}.json"))
         procs.append(subprocess.Popen([*cmd, *script_args], env=env))
@@ -250,7 +144,7 @@ def run_script(
 
 def _as_rank(argv: list[str]) -> None:
     """Entry point of one script rank: run it, and record a traceback if it fails."""
-    from distkit.testing._worker import _set_parent_death_signal
+    from distkit.local.worker import _set_parent_death_signal
 
     _set_parent_death_signal()
     module = argv[0] == "--module"

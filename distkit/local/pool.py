@@ -23,8 +23,8 @@ import weakref
 from multiprocessing.connection import wait
 from typing import Any, Callable, Optional
 
-from distkit.testing import _worker
-from distkit.testing._worker import Failure, FnRef
+from distkit.local import worker
+from distkit.local.worker import Failure, FnRef
 
 #: Seconds a task may run before the pool declares it hung.
 DEFAULT_TIMEOUT = 60.0
@@ -77,7 +77,7 @@ class RankPool:
         start_method: ``forkserver`` (default on Linux), ``spawn`` or ``fork``.
 
     Examples:
-        >>> from distkit.testing import RankPool
+        >>> from distkit.local.pool import RankPool
         >>> import distkit.dist as dist
         >>> with RankPool(2) as pool:                    # doctest: +SKIP
         ...     pool.run(dist.get_rank)
@@ -140,7 +140,7 @@ class RankPool:
             parent, child = ctx.Pipe()
             stack = os.path.join(self._dir, f"stack-{rank}.txt")
             proc = ctx.Process(
-                target=_worker.main,
+                target=worker.main,
                 args=(
                     rank,
                     self.world_size,

@@ -1,7 +1,7 @@
 """Reading what torchrun, SLURM and MPI launchers put in the environment.
 
 Pure functions of an environment mapping, so they can be tested without a cluster:
-:func:`infer_launcher` says which launcher started this process and why, and
+:func:`detect_launcher` says which launcher started this process and why, and
 :func:`launcher_env` translates its variables into torch's ``env://`` variables
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``).
@@ -9,20 +9,12 @@ Pure functions of an environment mapping, so they can be tested without a cluste
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 from collections.abc import Mapping
 from typing import Optional
-
-__all__ = [
-    "DEFAULT_PORT",
-    "LAUNCHERS",
-    "expand_nodelist",
-    "infer_launcher",
-    "launcher_env",
-    "parse_tasks_per_node",
-]
 
 LAUNCHERS = ("pytorch", "slurm", "mpi", "none")
 DEFAULT_PORT = 29500
@@ -30,7 +22,7 @@ DEFAULT_PORT = 29500
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def infer_launcher(env: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
+def detect_launcher(env: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
     """Return ``(launcher, reason)`` for the launcher that started this process.
 
     Checked in this order: torchrun (or any launcher that sets ``RANK``, ``WORLD_SIZE``,
@@ -48,12 +40,10 @@ def infer_launcher(env: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
         One of ``pytorch``, ``slurm``, ``mpi``, ``none``, and a sentence saying why.
 
     Examples:
-        >>> from distkit.utils.launch import infer_launcher
-        >>> infer_launcher({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"})
+        >>> from distkit.utils.environ import detect_launcher
+        >>> detect_launcher({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"})
         ('slurm', 'SLURM_PROCID, SLURM_NTASKS=4 and SLURM_STEP_ID are set (a srun job step)')
     """
-    import os
-
     env = os.environ if env is None else env
     if all(v in env for v in _TORCHRUN_VARS):
         return "pytorch", "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set (torchrun)"
@@ -127,7 +117,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
         Host names in SLURM's order.
 
     Examples:
-        >>> from distkit.utils.launch import expand_nodelist
+        >>> from distkit.utils.environ import expand_nodelist
         >>> expand_nodelist("node[01-03,7],gpu5")
         ['node01', 'node02', 'node03', 'node7', 'gpu5']
     """
@@ -159,7 +149,7 @@ def parse_tasks_per_node(value: str) -> list[int]:
         value: The variable's value.
 
     Examples:
-        >>> from distkit.utils.launch import parse_tasks_per_node
+        >>> from distkit.utils.environ import parse_tasks_per_node
         >>> parse_tasks_per_node("2(x3),1")
         [2, 2, 2, 1]
     """
@@ -204,15 +194,13 @@ def launcher_env(
         ValueError: ``launcher`` is not one of those three.
 
     Examples:
-        >>> from distkit.utils.launch import launcher_env
+        >>> from distkit.utils.environ import launcher_env
         >>> env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
         ...        "SLURM_NODELIST": "node[01-04]", "SLURM_TASKS_PER_NODE": "2(x4)",
         ...        "SLURM_NODEID": "2"}
         >>> launcher_env("slurm", env)["MASTER_ADDR"]
         'node01'
     """
-    import os
-
     env = os.environ if env is None else env
     default_port = str(port or env.get("MASTER_PORT") or DEFAULT_PORT)
     if launcher == "pytorch":

@@ -1,4 +1,4 @@
-"""The loop each rank process of a :class:`~distkit.testing.RankPool` runs.
+"""The loop each rank process of a :class:`~distkit.local.pool.RankPool` runs.
 
 A worker joins a gloo world through a FileStore (no ports), then runs the tasks the
 parent sends, one at a time, and answers each with its result or its traceback. Between
@@ -94,9 +94,9 @@ def _reset(env: dict[str, str]) -> None:
     """Undo what a task may have left behind, so the next task starts clean."""
     os.environ.clear()
     os.environ.update(env)
-    from distkit.testing import _hygiene
+    from distkit.local import hygiene
 
-    _hygiene.reset_state()
+    hygiene.reset_state()
 
 
 def _run_task(rank: int, fn: Any, args: tuple, kwargs: dict) -> tuple:
@@ -164,9 +164,9 @@ def main(
         conn.send(("failed", traceback.format_exc()))
         return
     conn.send(("ready", os.getpid()))
-    from distkit._compat import TORCH_WORLD
+    from distkit import _registry
 
-    world = TORCH_WORLD._default_pg
+    world = _registry.current._default_pg
     baseline_env = dict(os.environ)
     task_id = 0
     while True:
@@ -187,7 +187,7 @@ def main(
             except BaseException as exc:
                 fn, args, kwargs = _raiser(exc), (), {}
         kind, value, output = _run_task(rank, fn, args, kwargs)
-        intact = TORCH_WORLD._default_pg is world and world is not None
+        intact = _registry.current._default_pg is world and world is not None
         try:
             if intact:
                 _reset(baseline_env)
@@ -197,5 +197,5 @@ def main(
     with contextlib.suppress(Exception):
         import torch.distributed as td
 
-        if TORCH_WORLD._default_pg is not None:
+        if _registry.current._default_pg is not None:
             td.destroy_process_group()

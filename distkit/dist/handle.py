@@ -25,22 +25,26 @@ class Handle(Generic[T]):
         tensor([1., 1.])
     """
 
-    __slots__ = ("_finish", "_on_timeout", "_result", "_works")
+    __slots__ = ("_finish", "_on_error", "_result", "_works")
 
-    def __init__(self, works: list, finish: Callable[[], T]) -> None:
-        self._works: Optional[list] = works
+    def __init__(self, works: list[Any], finish: Callable[[], T]) -> None:
+        self._works: Optional[list[Any]] = works
         self._finish: Optional[Callable[[], T]] = finish
         self._result: Any = None
-        # set by the hang diagnostics: turns a backend timeout into a report naming ranks
-        self._on_timeout: Optional[Callable[[BaseException], BaseException]] = None
+        self._on_error: Optional[Callable[[BaseException], Optional[BaseException]]] = None
 
     @classmethod
     def completed(cls, result: T) -> Handle[T]:
+        """A handle whose collective has already finished with ``result``."""
         handle: Handle[T] = cls([], lambda: result)
         handle._works = None
         handle._finish = None
         handle._result = result
         return handle
+
+    def on_error(self, replace: Callable[[BaseException], Optional[BaseException]]) -> None:
+        """Let ``replace`` turn an error of :meth:`wait` into a better one (or ``None``)."""
+        self._on_error = replace
 
     def is_completed(self) -> bool:
         """Whether the communication has finished (``wait`` will not block)."""
@@ -69,13 +73,14 @@ class Handle(Generic[T]):
                     else:
                         w.wait(timeout)
             except Exception as exc:
-                if self._on_timeout is not None and "timed out" in str(exc).lower():
-                    raise self._on_timeout(exc) from exc
+                better = self._on_error(exc) if self._on_error is not None else None
+                if better is not None:
+                    raise better from exc
                 raise
             self._result = finish() if finish is not None else None
             self._works = None
             self._finish = None
-        return self._result
+        return self._result  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         state = "completed" if self._works is None else "pending"

@@ -6,23 +6,22 @@ from __future__ import annotations
 def reset_state() -> None:
     """Forget cached groups (destroying them), the local group and distkit settings."""
     from distkit import _settings
-    from distkit.dist.world import _forget_local_group
+    from distkit.dist.world import forget_local_group
     from distkit.utils.groups import clear_group_cache
 
     clear_group_cache(destroy=True)
-    _forget_local_group()
+    forget_local_group()
     _settings.reset()
 
 
 def leftovers() -> list[str]:
     """What distkit state differs from a fresh process (empty when clean)."""
-    from distkit import _settings
-    from distkit._compat import TORCH_WORLD
+    from distkit import _registry, _settings
     from distkit.dist import world
     from distkit.utils import groups
 
     found = []
-    if TORCH_WORLD._default_pg is not None:
+    if _registry.current._default_pg is not None:
         found.append("a default process group is still initialized")
     if groups._groups or groups._cpu_twins:
         found.append(f"{len(groups._groups)} cached process group(s)")

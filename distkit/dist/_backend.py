@@ -1,0 +1,129 @@
+"""The contract every backend implements: one method per collective.
+
+The public functions (:mod:`distkit.dist.tensor`, :mod:`distkit.dist.objects`) check
+their arguments, resolve the group to a :class:`~distkit.dist._comm.Comm`, and call
+``comm.backend.<collective>(comm, ...)``. A backend receives checked arguments only and
+returns what the public function returns (or, with ``async_op=True``, a
+:class:`~distkit.dist.Handle` of it), with the same aliasing in every backend: an entry
+that comes from this rank is the caller's own tensor or object; everything else is new.
+
+Backends: :mod:`distkit.dist._single` (no process group: a world of one rank) and
+:mod:`distkit.dist._torch` (a torch.distributed process group).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, TypeVar, Union
+
+import torch
+from torch import Tensor
+
+from distkit.dist.handle import Handle
+
+if TYPE_CHECKING:
+    from distkit.dist._comm import Comm
+    from distkit.dist._ops import Op
+
+T = TypeVar("T")
+#: What a collective returns: its result, or with ``async_op=True`` a handle to it.
+Result = Union[T, Handle[T]]
+
+
+class ObjectCall(NamedTuple):
+    """How an object collective reports errors and decodes what it receives."""
+
+    fn: str  # the public name, for messages
+    map_location: Optional[torch.device]
+    serializer: str  # "pickle" or "safe"
+
+
+class Backend(abc.ABC):
+    """One method per collective; ``comm`` says which group and where this rank is."""
+
+    name: str
+
+    # -- tensor collectives ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def all_reduce(self, comm: Comm, data: Tensor, op: Op, async_op: bool) -> Result[Tensor]:
+        """Reduce ``data`` in place; return it."""
+
+    @abc.abstractmethod
+    def all_gather(
+        self, comm: Comm, data: Tensor, async_op: bool, same_shape: bool
+    ) -> Result[list[Tensor]]:
+        """Every rank's tensor, in rank order; ``data`` itself at this rank's index."""
+
+    @abc.abstractmethod
+    def gather(
+        self, comm: Comm, data: Tensor, dst: int, async_op: bool, same_shape: bool
+    ) -> Result[list[Tensor]]:
+        """On ``dst``, every rank's tensor; ``[]`` elsewhere."""
+
+    @abc.abstractmethod
+    def broadcast(self, comm: Comm, data: Tensor, src: int, async_op: bool) -> Result[Tensor]:
+        """Overwrite ``data`` with ``src``'s in place; return it."""
+
+    @abc.abstractmethod
+    def reduce(self, comm: Comm, data: Tensor, dst: int, op: Op, async_op: bool) -> Result[Tensor]:
+        """On ``dst``, reduce into ``data`` in place; elsewhere leave it untouched."""
+
+    @abc.abstractmethod
+    def reduce_scatter(
+        self, comm: Comm, data: Union[Tensor, list[Tensor]], op: Op, async_op: bool
+    ) -> Result[Tensor]:
+        """This rank's chunk of the reduction, as a new tensor."""
+
+    @abc.abstractmethod
+    def all_to_all(
+        self, comm: Comm, data: list[Tensor], async_op: bool, same_shape: bool
+    ) -> Result[list[Tensor]]:
+        """What each rank sent here; ``data[rank]`` itself at this rank's index."""
+
+    @abc.abstractmethod
+    def all_to_all_single(
+        self,
+        comm: Comm,
+        data: Tensor,
+        output_split_sizes: Optional[list[int]],
+        input_split_sizes: Optional[list[int]],
+        async_op: bool,
+    ) -> Result[Tensor]:
+        """The rows each rank sent here, concatenated in rank order (a new tensor)."""
+
+    @abc.abstractmethod
+    def scatter(
+        self, comm: Comm, data: Optional[list[Tensor]], src: int, async_op: bool
+    ) -> Result[Tensor]:
+        """This rank's tensor from ``src``'s list (``data[src]`` itself on ``src``)."""
+
+    @abc.abstractmethod
+    def barrier(self, comm: Comm) -> None:
+        """Return once every rank of the group arrived."""
+
+    # -- object collectives ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def all_gather_object(self, comm: Comm, data: Any, call: ObjectCall) -> list[Any]:
+        """Every rank's object; ``data`` itself at this rank's index."""
+
+    @abc.abstractmethod
+    def gather_object(
+        self, comm: Comm, data: Any, dst: int, call: ObjectCall
+    ) -> Optional[list[Any]]:
+        """On ``dst``, every rank's object; ``None`` elsewhere."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, comm: Comm, obj: Any, src: int, name: str, call: ObjectCall) -> Any:
+        """``src``'s object (``obj`` itself on ``src``); ``name`` names it in errors."""
+
+    @abc.abstractmethod
+    def scatter_object(
+        self, comm: Comm, data: Optional[list[Any]], src: int, call: ObjectCall
+    ) -> Any:
+        """This rank's object from ``src``'s list (``data[src]`` itself on ``src``)."""
+
+    @abc.abstractmethod
+    def all_to_all_object(self, comm: Comm, data: list[Any], call: ObjectCall) -> list[Any]:
+        """The object each rank sent here; ``data[rank]`` itself at this rank's index."""

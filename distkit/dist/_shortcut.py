@@ -1,0 +1,122 @@
+"""Shortcuts: the hottest calls skip argument resolution when there is nothing to resolve.
+
+``all_reduce(t)`` runs in every training step, and in a single process it must cost
+little more than a function call. :func:`shortcut` compiles, in front of a collective,
+a guard made only of identity and exact-type tests of the arguments it declares
+(``group is None``, ``async_op is False``, ``data.__class__ is Tensor``) and of the one
+question "is there a process group?", read from :data:`distkit._registry.current` like
+everywhere else. When the guard holds it returns the single-process result at once;
+otherwise the decorated function (the *checked path*: argument checks, then
+:func:`distkit.dist._comm.resolve`, then a backend) runs.
+
+A guard only accepts trivially valid arguments (a test of identity can fail spuriously,
+and then the checked path runs, but never accept a bad value), so the shortcut and the
+checked path cannot disagree; ``tests/test_agreement.py`` runs every bad argument of
+every public function with and without a process group to hold that line.
+
+Torch-free: :mod:`distkit.dist.world` uses it before torch is imported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from typing import Any, Callable, Optional, TypeVar
+
+from distkit import _registry
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _test(name: str, condition: Any, bind: Callable[[Any], str]) -> str:
+    """Source of one condition on parameter ``name``; ``bind`` names a closure value."""
+    if isinstance(condition, tuple):
+        return "(" + " or ".join(_test(name, c, bind) for c in condition) + ")"
+    if isinstance(condition, type):
+        return f"{name}.__class__ is {bind(condition)}"
+    if isinstance(condition, frozenset):
+        return f"{name}.__class__ in {bind(condition)}"
+    if callable(condition):
+        return f"{bind(condition)}({name})"
+    if isinstance(condition, str):  # user code's literal "sum" is this very object
+        condition = sys.intern(condition)
+    return f"{name} is {bind(condition)}"
+
+
+def shortcut(returns: str, world: Optional[str] = None, **when: Any) -> Callable[[F], F]:
+    """Compile a shortcut in front of the checked function it decorates.
+
+    Args:
+        returns: Expression of the parameters to return when every condition holds and
+            there is no process group (``"data"``, ``"[data]"``, ``"0"``).
+        world: Expression to return when every condition holds and a process group
+            ``pg`` exists (``"pg.rank()"``); ``None`` lets the checked path run then.
+        **when: Parameter name to condition: a value compared by identity (``None``,
+            ``False``, ``0``, ``"sum"``), a type (the argument's exact class), a
+            frozenset of types, a predicate, or a tuple of conditions one of which must
+            hold. Only trivially valid values belong here.
+
+    Returns:
+        A decorator; the function it returns has the decorated function's signature,
+        docstring and module, and the decorated function as ``__wrapped__``.
+    """
+
+    def compile_(checked: F) -> F:
+        sig = inspect.signature(checked)
+        closure: dict[str, Any] = {"_checked": checked, "_registry": _registry}
+
+        def bind(value: Any) -> str:
+            name = f"_c{len(closure)}"
+            closure[name] = value
+            return name
+
+        params, call = [], []
+        star = False
+        for p in sig.parameters.values():
+            if p.kind is p.KEYWORD_ONLY and not star:
+                params.append("*")
+                star = True
+            params.append(p.name if p.default is p.empty else f"{p.name}={bind(p.default)}")
+            call.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
+        tests = [_test(name, cond, bind) for name, cond in when.items()] or ["True"]
+        body = [f"        if {' and '.join(tests)}:"]
+        if world is None:
+            body[0] = body[0][:-1] + " and _registry.current._default_pg is None:"
+            body.append(f"            return {returns}")
+        else:
+            body += [
+                "            pg = _registry.current._default_pg",
+                f"            return {returns} if pg is None else {world}",
+            ]
+        source = "\n".join(
+            [
+                f"def factory({', '.join(closure)}):",
+                f"    def {checked.__name__}({', '.join(params)}):",
+                *body,
+                f"        return _checked({', '.join(call)})",
+                f"    return {checked.__name__}",
+            ]
+        )
+        namespace: dict[str, Any] = {}
+        exec(compile(source, f"<distkit shortcut of {checked.__name__}>", "exec"), namespace)
+        inner = namespace["factory"](*closure.values())
+        # Home the function in the collective's module, so that tools looking for a
+        # module's own functions (doctest, pickling by name) find it there.
+        fast = types.FunctionType(
+            inner.__code__,
+            checked.__globals__,
+            checked.__name__,
+            inner.__defaults__,
+            inner.__closure__,
+        )
+        fast.__kwdefaults__ = inner.__kwdefaults__
+        fast.__doc__ = checked.__doc__
+        fast.__module__ = checked.__module__
+        fast.__qualname__ = checked.__qualname__
+        fast.__annotations__ = checked.__annotations__
+        fast.__wrapped__ = checked  # type: ignore[attr-defined]
+        fast.__distkit_shortcut__ = source  # type: ignore[attr-defined]
+        return fast  # type: ignore[return-value]
+
+    return compile_
