@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # the examples are importable by the tests (and, through sys.path, by the pool's ranks)
 sys.path.insert(0, str(ROOT / "examples"))
 
+# type-checked by tests/test_types.py, never run (it is not a test, and it has no world)
+collect_ignore_glob = ["typing/*"]
+
 #: Every world a core check runs in: 0 = no process group, then 1 to 4 gloo ranks.
 WORLDS = (0, 1, 2, 3, 4)
 

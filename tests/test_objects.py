@@ -228,7 +228,12 @@ def test_object_argument_errors():
         dist.all_to_all_object([1] * (size + 1))
     with pytest.raises(ValueError, match="dst=-1 is out of range"):
         dist.gather_object(1, dst=-1)
-    if rank == 0:
-        with pytest.raises(TypeError, match="scatter_object_list: data must be a list"):
-            dist.scatter_object_list(None)
+    # src's bad list reaches every rank: src raises its own error, the others one naming it
+    with pytest.raises(TypeError) as info:
+        dist.scatter_object_list(None if rank == 0 else ["ignored"])
+    assert "scatter_object_list: data must be a list" in str(info.value)
+    if rank != 0:
+        assert "rank 0 could not send its object" in str(info.value)
+    with pytest.raises(ValueError, match=f"data must hold {size} objects"):
+        dist.scatter_object_list([1] * (size + 1) if rank == 0 else None)
     assert dist.all_gather_object(rank) == list(range(size))

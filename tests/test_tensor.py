@@ -255,7 +255,7 @@ def test_bad_arguments_fail_before_communicating():
     msg = raises(TypeError, dist.all_reduce, torch.ones(1, dtype=torch.complex64), op="max")
     assert "not defined for complex" in msg
     msg = raises(ValueError, dist.broadcast, t, src=size)
-    assert f"broadcast: src={size} is out of range for a group of {size} rank" in msg
+    assert f"broadcast: src={size} is out of range for a group of size {size}" in msg
     assert f"from 0 to {size - 1}" in msg
     raises(ValueError, dist.reduce, t, dst=-1)
     raises(TypeError, dist.gather, t, dst="0")
@@ -291,8 +291,13 @@ def test_bad_arguments_fail_before_communicating():
     raises(TypeError, dist.all_gather, t, group="world")
     msg = raises(ValueError, dist.all_gather, t, group=[0, size])
     assert f"rank {size} is out of range" in msg
+    # src's bad list reaches every rank: src raises its own error, the others one naming it
+    msg = raises(ValueError, dist.scatter, [t] * (size + 1) if rank == 0 else None, src=0)
     if rank == 0:
-        raises(ValueError, dist.scatter, [t] * (size + 1), src=0)
+        assert f"data must hold {size} tensors (one per rank), got {size + 1}" in msg
+    else:
+        assert "scatter: src (rank 0) failed before sending: scatter: data must hold" in msg
+        assert where in msg
     # after all those errors, the group still works: nothing was half-sent
     assert dist.all_reduce(torch.ones(1)).item() == size
 

@@ -94,7 +94,7 @@ def test_cast_data_device_preserves_types():
 @pytest.mark.parametrize(
     ("ranks_arg", "error", "match"),
     [
-        ([1], ValueError, "rank 1 is out of range for a world of 1 rank"),
+        ([1], ValueError, "rank 1 is out of range for a world of size 1"),
         ([], ValueError, "must not be empty"),
         ([0, 0], ValueError, "must not repeat"),
         (["0"], TypeError, "must hold ints"),

@@ -30,6 +30,25 @@ def fail(exc: type[Exception], fn: str, comm: Comm, what: str, fix: str = "") ->
     raise exc(message)
 
 
+#: Exception types a rank can pass on to the others of a collective it cannot complete
+#: (by their index); anything else arrives as the last, RuntimeError.
+REMOTE_ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, RuntimeError)
+
+
+def error_code(exc: BaseException) -> int:
+    """The index in :data:`REMOTE_ERRORS` of the type ``exc`` is passed on as."""
+    for i, kind in enumerate(REMOTE_ERRORS):
+        if isinstance(exc, kind):
+            return i
+    return len(REMOTE_ERRORS) - 1
+
+
+def remote_failure(code: int, fn: str, comm: Comm, what: str) -> NoReturn:
+    """Raise, on a rank left waiting, the error another rank passed on (see error_code)."""
+    kind = REMOTE_ERRORS[code] if 0 <= code < len(REMOTE_ERRORS) else RuntimeError
+    fail(kind, fn, comm, what)
+
+
 def show(value: Any) -> str:
     """A short description of a bad argument for an error message."""
     if isinstance(value, Tensor):
@@ -76,7 +95,6 @@ def rank(value: Any, name: str, fn: str, comm: Comm) -> int:
     if number is None:
         fail(TypeError, fn, comm, f"{name} must be an int rank, got {show(value)}")
     if not 0 <= number < comm.size:
-        plural = "s" if comm.size != 1 else ""
         fix = f"{name} is a rank within group, from 0 to {comm.size - 1}"
         members = comm.global_ranks()
         if number in members:
@@ -85,7 +103,7 @@ def rank(value: Any, name: str, fn: str, comm: Comm) -> int:
             ValueError,
             fn,
             comm,
-            f"{name}={number} is out of range for a group of {comm.size} rank{plural}",
+            f"{name}={number} is out of range for a group of size {comm.size}",
             fix,
         )
     return number

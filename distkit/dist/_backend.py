@@ -94,9 +94,18 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def scatter(
-        self, comm: Comm, data: Optional[list[Tensor]], src: int, async_op: bool
+        self,
+        comm: Comm,
+        data: Optional[list[Tensor]],
+        src: int,
+        async_op: bool,
+        error: Optional[Exception] = None,
     ) -> Result[Tensor]:
-        """This rank's tensor from ``src``'s list (``data[src]`` itself on ``src``)."""
+        """This rank's tensor from ``src``'s list (``data[src]`` itself on ``src``).
+
+        On ``src``, ``error`` is what its argument check raised: the backend passes it on
+        to every rank (which raise it, instead of waiting for ``src`` forever).
+        """
 
     @abc.abstractmethod
     def barrier(self, comm: Comm) -> None:
@@ -120,9 +129,17 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def scatter_object(
-        self, comm: Comm, data: Optional[list[Any]], src: int, call: ObjectCall
+        self,
+        comm: Comm,
+        data: Optional[list[Any]],
+        src: int,
+        call: ObjectCall,
+        error: Optional[Exception] = None,
     ) -> Any:
-        """This rank's object from ``src``'s list (``data[src]`` itself on ``src``)."""
+        """This rank's object from ``src``'s list (``data[src]`` itself on ``src``).
+
+        ``error``: as in :meth:`scatter`.
+        """
 
     @abc.abstractmethod
     def all_to_all_object(self, comm: Comm, data: list[Any], call: ObjectCall) -> list[Any]:

@@ -183,7 +183,8 @@ def resolve(group: Any, fn: str) -> Comm:
         try:
             pg = get_group(group)
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{fn}: group={list(group)!r}: {exc}") from None
+            what = str(exc).removeprefix("get_group: ")
+            fail(type(exc), fn, here or _comm_of(world), f"group={list(group)!r}: {what}")
         if pg is None:  # single process, group == [0]
             return NO_GROUP
         if not isinstance(pg, ProcessGroup):

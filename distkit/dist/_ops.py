@@ -46,7 +46,7 @@ def _build() -> dict[str, Op]:
 
 
 OPS = _build()
-_BY_TORCH = {
+_BY_TORCH: dict[Any, str] = {
     ReduceOp.SUM: "sum",
     ReduceOp.MAX: "max",
     ReduceOp.MIN: "min",
@@ -57,6 +57,7 @@ _BY_TORCH = {
 }
 if getattr(ReduceOp, "AVG", None) is not None:
     _BY_TORCH[ReduceOp.AVG] = "mean"
+_TORCH_OPS = (ReduceOp, type(ReduceOp.SUM))
 
 
 def resolve(value: Any, fn: str, comm: Comm) -> Op:
@@ -72,10 +73,12 @@ def resolve(value: Any, fn: str, comm: Comm) -> Op:
             f"unknown op {value!r}",
             f"Use one of {', '.join(NAMES)} (any case) or a torch ReduceOp",
         )
-    try:
-        name = _BY_TORCH.get(value)
-    except TypeError:  # unhashable
-        name = None
+    name = None
+    if isinstance(value, _TORCH_OPS):  # not plain ints: torch's ops compare equal to them
+        try:
+            name = _BY_TORCH.get(value)
+        except TypeError:  # a ReduceOp object (PREMUL_SUM) is unhashable
+            name = None
     if name is None:
         fail(
             ValueError if isinstance(value, ReduceOp) else TypeError,

@@ -70,8 +70,15 @@ class SingleBackend(Backend):
         return _done(data.detach().clone(), async_op)
 
     def scatter(
-        self, comm: Comm, data: Optional[list[Tensor]], src: int, async_op: bool
+        self,
+        comm: Comm,
+        data: Optional[list[Tensor]],
+        src: int,
+        async_op: bool,
+        error: Optional[Exception] = None,
     ) -> Result[Tensor]:
+        if error is not None:
+            raise error
         assert data is not None  # checked on src, and a world of one rank is all src
         return _done(data[0], async_op)
 
@@ -96,8 +103,15 @@ class SingleBackend(Backend):
         return obj
 
     def scatter_object(
-        self, comm: Comm, data: Optional[list[Any]], src: int, call: ObjectCall
+        self,
+        comm: Comm,
+        data: Optional[list[Any]],
+        src: int,
+        call: ObjectCall,
+        error: Optional[Exception] = None,
     ) -> Any:
+        if error is not None:
+            raise error
         _pickling.check(data, "data", call.fn, comm)
         assert data is not None
         return data[0]

@@ -13,13 +13,14 @@ The object collectives are the other half of this backend, in
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as td
 from torch import Tensor
 
 from distkit._compat import all_gather_single, reduce_scatter_single
+from distkit.dist import _args
 from distkit.dist._args import fail
 from distkit.dist._backend import Result
 from distkit.dist._torch_objects import TorchObjects
@@ -181,6 +182,26 @@ def _gather_shapes(comm: Comm, data: Tensor, fn: str) -> list[tuple[int, ...]]:
     metas = [_parse(row, f) for row, f in zip(rows, full)]
     _same_dtype(fn, comm, [m[0] for m in metas])
     return [s for _, s in metas]
+
+
+def _send_failure(error: Exception, src_global: int, dev: torch.device, comm: Comm) -> None:
+    """On src of a scatter: broadcast a failed header row, then the error's message."""
+    text = str(error).encode()
+    headers = torch.zeros((comm.size, HEADER), dtype=torch.int64, device=dev)
+    headers[0, 0], headers[0, 1], headers[0, 2] = -1, len(text), _args.error_code(error)
+    td.broadcast(headers, src_global, group=comm.pg)
+    message = torch.tensor(list(text), dtype=torch.uint8)
+    td.broadcast(message.to(dev), src_global, group=comm.pg)
+
+
+def _receive_failure(
+    row: list[int], fn: str, src: int, src_global: int, dev: torch.device, comm: Comm
+) -> NoReturn:
+    """On the other ranks: receive the message of src's failure, and raise it."""
+    message = torch.empty(row[1], dtype=torch.uint8, device=dev)
+    td.broadcast(message, src_global, group=comm.pg)
+    text = bytes(message.cpu().tolist()).decode(errors="replace")
+    _args.remote_failure(row[2], fn, comm, f"src (rank {src}) failed before sending: {text}")
 
 
 # -- the backend ---------------------------------------------------------------------------
@@ -420,11 +441,19 @@ class TorchBackend(TorchObjects):
 
     @watched
     def scatter(
-        self, comm: Comm, data: Optional[list[Tensor]], src: int, async_op: bool
+        self,
+        comm: Comm,
+        data: Optional[list[Tensor]],
+        src: int,
+        async_op: bool,
+        error: Optional[Exception] = None,
     ) -> Result[Tensor]:
         rank = comm.rank
-        dev = comm.device(data[0] if data else None)
+        dev = comm.device(data[0] if data and error is None else None)
         src_global = comm.global_rank(src)
+        if error is not None:  # src's own arguments were bad: tell everyone, then raise
+            _send_failure(error, src_global, dev, comm)
+            raise error
         if rank == src:
             assert data is not None  # checked on src
             staged = [_stage(comm, t)[0] for t in data]
@@ -433,8 +462,10 @@ class TorchBackend(TorchObjects):
         else:
             headers = torch.empty((comm.size, HEADER), dtype=torch.int64, device=dev)
         td.broadcast(headers, src_global, group=comm.pg)
-        received = headers.tolist()
-        longest = max(row[1] for row in received)
+        rows = headers.tolist()
+        if rows[0][0] < 0:  # src failed before sending anything
+            _receive_failure(rows[0], "scatter", src, src_global, dev, comm)
+        longest = max(row[1] for row in rows)
         full: list[Optional[list[int]]] = [None] * comm.size
         if longest > INLINE_DIMS:  # an over-long shape: src sends every shape whole
             shapes = torch.zeros((comm.size, longest), dtype=torch.int64, device=dev)
@@ -443,7 +474,7 @@ class TorchBackend(TorchObjects):
                     shapes[r, : t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
             td.broadcast(shapes, src_global, group=comm.pg)
             full = shapes.tolist()
-        metas = [_parse(row, f) for row, f in zip(received, full)]
+        metas = [_parse(row, f) for row, f in zip(rows, full)]
         even = all(m == metas[0] for m in metas)
         if rank == src:
             assert data is not None
@@ -458,8 +489,8 @@ class TorchBackend(TorchObjects):
                     for r in range(comm.size)
                     if r != rank
                 ]
-            mine = data[src]
-            return _complete(works, lambda: mine, async_op)
+            own = data[src]
+            return _complete(works, lambda: own, async_op)
         dtype, shape = metas[rank]
         received = torch.empty(shape, dtype=dtype, device=dev)
         if even:

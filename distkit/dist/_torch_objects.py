@@ -30,8 +30,7 @@ import torch.distributed as td
 from torch import Tensor
 
 from distkit._compat import all_gather_single
-from distkit.dist import _pickling, _wire
-from distkit.dist._args import fail
+from distkit.dist import _args, _pickling, _wire
 from distkit.dist._backend import Backend, ObjectCall
 from distkit.dist._watch import watched
 from distkit.dist._wire import Encoded
@@ -49,6 +48,8 @@ INLINE_BYTES = SLOT_BYTES - SLOT_HEAD
 #: all_gather (see BROADCAST_GATHER_BYTES in _torch.py for the measurement).
 BROADCAST_BYTES = 256 * 1024
 
+# Slot status: the object fits, it overflows, or the sender failed: FAILED + the index of
+# its error's type in _args.REMOTE_ERRORS, so the other ranks raise the same type.
 INLINE, OVERFLOW, FAILED = 0, 1, 2
 
 
@@ -106,9 +107,8 @@ def _slot(
     """One rank's first-round slot: a 64-byte header, then the inline CPU part."""
     raw = bytearray(SLOT_BYTES)
     if error is not None:
-        text = str(error) if isinstance(error, TypeError) else f"{type(error).__name__}: {error}"
-        message = text.encode()[:INLINE_BYTES]
-        head = (FAILED, len(message), 0)
+        message = str(error).encode()[:INLINE_BYTES]
+        head = (FAILED + _args.error_code(error), len(message), 0)
         raw[SLOT_HEAD : SLOT_HEAD + len(message)] = message
     elif enc is not None:
         n = enc.cpu.numel()
@@ -141,9 +141,11 @@ def _raise_failures(
     if own is not None:
         raise own
     for r, head in sorted(heads.items()):
-        if head.status == FAILED:
+        if head.status >= FAILED:
             text = bytes(_inline(host[r], head.cpu_bytes).tolist()).decode(errors="replace")
-            fail(TypeError, fn, comm, f"rank {r} could not send its object: {text}")
+            _args.remote_failure(
+                head.status - FAILED, fn, comm, f"rank {r} could not send its object: {text}"
+            )
 
 
 def _inline(host_row: Tensor, n: int) -> Tensor:
@@ -164,19 +166,20 @@ def _share(ch: _Channel, sizes: dict[int, int], mine: Optional[Tensor]) -> dict[
     if not sizes:
         return {}
     rank = ch.comm.rank
-    mine = mine.to(ch.device) if mine is not None and rank in sizes else None
+    if rank in sizes:
+        assert mine is not None  # this rank holds bytes of its own to share
+        mine = mine.to(ch.device)
     if ch.device.type != "cpu" or (len(sizes) > 1 and max(sizes.values()) < BROADCAST_BYTES):
         rows = _padded_all_gather(ch, mine, max(sizes.values()))
         return {r: rows[r, :n] for r, n in sizes.items() if r != rank}
-    bufs = {
-        r: torch.empty(n, dtype=torch.uint8, device=ch.device)
-        for r, n in sizes.items()
-        if r != rank
-    }
-    works = [
-        td.broadcast(bufs[r] if r != rank else mine, ch.src(r), group=ch.pg, async_op=True)
-        for r in sizes
-    ]
+    bufs, works = {}, []
+    for r, n in sizes.items():
+        if r == rank:
+            assert mine is not None
+            buf = mine
+        else:
+            buf = bufs[r] = torch.empty(n, dtype=torch.uint8, device=ch.device)
+        works.append(td.broadcast(buf, ch.src(r), group=ch.pg, async_op=True))
     for w in works:
         w.wait()
     return bufs
@@ -190,7 +193,8 @@ def _send_recv(
     bufs = {r: torch.empty(n, dtype=torch.uint8, device=ch.device) for r, n in recv_sizes.items()}
     works += [td.irecv(b, ch.src(r), group=ch.pg) for r, b in bufs.items()]
     for w in works:
-        w.wait()
+        if w is not None:  # point-to-point sends return a Work on every backend distkit runs on
+            w.wait()
     return bufs
 
 
@@ -346,7 +350,12 @@ class TorchObjects(Backend):
 
     @watched
     def scatter_object(
-        self, comm: Comm, data: Optional[list[Any]], src: int, call: ObjectCall
+        self,
+        comm: Comm,
+        data: Optional[list[Any]],
+        src: int,
+        call: ObjectCall,
+        error: Optional[Exception] = None,
     ) -> Any:
         cpu, dev = _channels(comm)
         rank, src_global = comm.rank, comm.global_rank(src)
@@ -365,8 +374,11 @@ class TorchObjects(Backend):
                 dev_part = _send_recv(dev, {}, {src: head.dev_bytes})[src]
             return _decode(comm, call, src, part, dev_part)
 
-        assert data is not None  # checked on src
-        encs, error = _encode_each(comm, data, call.fn, dev)
+        if error is None:
+            assert data is not None  # checked on src
+            encs, error = _encode_each(comm, data, call.fn, dev)
+        else:  # src's own arguments were bad: say so to every rank, then raise
+            encs = [None] * comm.size
         td.scatter(mine, [_slot(e, error, cpu) for e in encs], src=src_global, group=cpu.pg)
         if error is not None:
             raise error
@@ -374,6 +386,7 @@ class TorchObjects(Backend):
         _send_recv(cpu, {r: e.cpu for r, e in sent if e.cpu.numel() > INLINE_BYTES}, {})
         if dev is not None:
             _send_recv(dev, {r: e.dev for r, e in sent if e.dev is not None}, {})
+        assert data is not None
         return data[src]
 
     @watched

@@ -15,7 +15,7 @@ import json
 import os
 import struct
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
@@ -135,7 +135,7 @@ MUST_MATCH: dict[str, tuple[str, ...]] = {
 }
 # arguments that are not compared or shown: objects (only their collective is), and
 # what only concerns this rank
-_SKIPPED = {"obj", "name", "async_op", "call"}
+_SKIPPED = {"obj", "name", "async_op", "call", "error"}
 
 
 def _pick(fields: dict, path: str) -> Any:
@@ -213,12 +213,45 @@ def exchange(comm: Comm, payload: Any) -> list[Any]:
     return [json.loads(t) for t in texts]
 
 
+def _splits(fields: dict, size: int) -> tuple[list[int], Optional[list[int]]]:
+    """Rows an all_to_all_single call sends to each rank, and expects from each (if said)."""
+    rows = fields["data"]["shape"][0] if fields["data"]["shape"] else 0
+    sent = fields.get("input_split_sizes") or [rows // size] * size
+    expected = fields.get("output_split_sizes")
+    if expected is None and fields.get("input_split_sizes") is None:
+        expected = [rows // size] * size  # even split: as many rows from each rank
+    return list(sent), None if expected is None else list(expected)
+
+
+def _inconsistent(name: str, calls: list[dict]) -> list[str]:
+    """What the ranks' calls promise each other but do not hold (beyond equal fields)."""
+    problems: list[str] = []
+    if name == "all_to_all_single" and all(
+        isinstance(c["fields"].get("data"), dict) for c in calls
+    ):
+        size = len(calls)
+        plans = [_splits(c["fields"], size) for c in calls]
+        for r, (_, expected) in enumerate(plans):
+            for s, (sent, _) in enumerate(plans):
+                if expected is not None and expected[s] != sent[r]:
+                    problems.append(
+                        f"rank {r} expects {expected[s]} rows from rank {s}, "
+                        f"which sends it {sent[r]}"
+                    )
+        trailing = {tuple(c["fields"]["data"]["shape"][1:]) for c in calls}
+        if len(trailing) > 1:
+            problems.append(f"rows must have one shape on every rank, got {sorted(trailing)}")
+    return problems
+
+
 def check(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
     """Compare this call with every rank's; raise :class:`CollectiveMismatchError`."""
     mine = {"call": public, "fields": fields, "must": must, "site": call_site(), "seq": seq}
     calls = exchange(comm, mine)
     first = calls[0]
-    if all(c["call"] == first["call"] and c["must"] == first["must"] for c in calls):
+    same = all(c["call"] == first["call"] and c["must"] == first["must"] for c in calls)
+    problems = _inconsistent(public, calls) if same else []
+    if same and not problems:
         return
     lines = [
         f"{public}: the ranks of {group_label(comm)} disagree on this collective "
@@ -232,6 +265,8 @@ def check(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
             "that skips one (a branch on the rank, an early return) shows up here "
             "in its next collective."
         )
+    elif problems:
+        lines += [f"  {p}" for p in problems]
     else:
         diff = sorted(
             k for k in first["must"] if len({json.dumps(c["must"][k]) for c in calls}) > 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import chain, zip_longest
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -177,12 +177,14 @@ def collect_results(
     for step in steps:
         window = slice(step * CHUNK_ITEMS, (step + 1) * CHUNK_ITEMS)
         payload = (results[window], None if indices is None else indices[window])
+        gathered: Optional[list[Any]]
         if dst is None:
             gathered = all_gather_object(payload, group, serializer=serializer)
         else:
             gathered = gather_object(payload, dst, group, serializer=serializer)
         if receiver:
-            for r, (res, idx) in enumerate(gathered):  # type: ignore[arg-type]
+            assert gathered is not None
+            for r, (res, idx) in enumerate(gathered):
                 parts[r].extend(res)
                 if idx is not None:
                     index_parts[r].extend(idx)

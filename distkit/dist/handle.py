@@ -80,7 +80,7 @@ class Handle(Generic[T]):
             self._result = finish() if finish is not None else None
             self._works = None
             self._finish = None
-        return self._result  # type: ignore[no-any-return]
+        return self._result
 
     def __repr__(self) -> str:
         state = "completed" if self._works is None else "pending"

@@ -105,16 +105,16 @@ def init_dist(
             f"init_dist: init_backend={init_backend!r} is not supported; distkit runs on "
             "torch.distributed (init_backend='torch')"
         )
+    if launcher != "auto" and launcher not in environ.LAUNCHERS:
+        raise ValueError(
+            f"init_dist: launcher must be one of auto, {', '.join(environ.LAUNCHERS)}; "
+            f"got {launcher!r}"
+        )
     pg = _registry.current._default_pg
     if pg is not None:
         return pg.rank(), pg.size()
     if launcher == "auto":
         launcher = environ.detect_launcher()[0]
-    if launcher not in environ.LAUNCHERS:
-        raise ValueError(
-            f"init_dist: launcher must be one of auto, {', '.join(environ.LAUNCHERS)}; "
-            f"got {launcher!r}"
-        )
     if launcher == "none":
         return 0, 1
     env = environ.launcher_env(launcher, port=kwargs.pop("port", None))

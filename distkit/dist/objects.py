@@ -287,9 +287,13 @@ def scatter_object_list(
     comm = resolve(group, fn)
     src = _args.rank(src, "src", fn, comm)
     call = _call(fn, comm, map_location, serializer)
-    if comm.rank == src:
-        data = _args.object_list(data, fn, comm)
-    return comm.backend.scatter_object(comm, data, src, call)
+    error = None
+    if comm.rank == src:  # only src has data: its mistakes must reach the other ranks
+        try:
+            data = _args.object_list(data, fn, comm)
+        except (TypeError, ValueError) as exc:
+            error = exc
+    return comm.backend.scatter_object(comm, data, src, call, error)
 
 
 def all_to_all_object(

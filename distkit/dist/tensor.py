@@ -670,9 +670,13 @@ def scatter(
     comm = resolve(group, fn)
     src = _args.rank(src, "src", fn, comm)
     _args.flag(async_op, "async_op", fn, comm)
-    if comm.rank == src:
-        data = _args.tensor_list(data, "data", fn, comm)
-    return comm.backend.scatter(comm, data, src, async_op)
+    error = None
+    if comm.rank == src:  # only src has data: its mistakes must reach the other ranks
+        try:
+            data = _args.tensor_list(data, "data", fn, comm)
+        except (TypeError, ValueError) as exc:
+            error = exc
+    return comm.backend.scatter(comm, data, src, async_op, error)
 
 
 @shortcut("None", group=None)

@@ -54,7 +54,7 @@ def get_default_group() -> Optional[ProcessGroup]:
         >>> dist.get_default_group() is None
         True
     """
-    return _registry.current._default_pg  # type: ignore[no-any-return]
+    return _registry.current._default_pg
 
 
 @shortcut("0", world="pg.rank()", group=None)
@@ -293,7 +293,7 @@ def get_local_group() -> Optional[ProcessGroup]:
             "get_local_group: no local group; call init_local_group(node_rank, "
             "ranks_per_node) on every rank first"
         )
-    return group  # type: ignore[no-any-return]
+    return group
 
 
 def forget_local_group() -> None:

@@ -42,7 +42,7 @@ def _selected(ranks: Ranks, rank: int) -> bool:
         return True
     if isinstance(ranks, int) and not isinstance(ranks, bool):
         return rank == ranks
-    if isinstance(ranks, str):
+    if isinstance(ranks, (str, bool)):
         raise ValueError(f"ranks must be an int, a list of ints or 'all', got {ranks!r}")
     return rank in set(ranks)
 

@@ -81,14 +81,14 @@ def get_comm_device(group: Any = None, data: Any = None) -> torch.device:
         device(type='cpu')
     """
     world = _registry.current._default_pg
-    if world is None:
-        return torch.device("cpu")
     if group is None:
         pg = world
     elif isinstance(group, ProcessGroup):
         pg = group
     else:
-        pg = get_group(group)
+        pg = get_group(group)  # checks the rank list, in a single process too
+    if pg is None:
+        return torch.device("cpu")
     types = backend_device_types(backend_config(pg).lower())
     if data is not None and len(types) > 1:
         data_type = _first_device(data)
@@ -203,10 +203,10 @@ def cast_data_device(data: Any, device: Union[torch.device, str], out: Any = Non
     if isinstance(data, Mapping):
         if out is not None and set(out.keys()) != set(data.keys()):
             raise TypeError("cast_data_device: out must have the same keys as data")
-        items = {
+        values = {
             k: cast_data_device(v, device, None if out is None else out[k]) for k, v in data.items()
         }
-        return _rebuild_mapping(data, items)
+        return _rebuild_mapping(data, values)
     if isinstance(data, (list, tuple)):
         if out is not None and len(out) != len(data):
             raise TypeError(f"cast_data_device: out has {len(out)} items but data has {len(data)}")

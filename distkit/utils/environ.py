@@ -204,47 +204,55 @@ def launcher_env(
     env = os.environ if env is None else env
     default_port = str(port or env.get("MASTER_PORT") or DEFAULT_PORT)
     if launcher == "pytorch":
-        rank, world, addr, mport = _need(env, launcher, *_TORCHRUN_VARS)
-        local_rank = env.get("LOCAL_RANK", "0")
-        local_size = env.get("LOCAL_WORLD_SIZE", world if addr in _LOOPBACK else "1")
-        return _pack(rank, world, local_rank, local_size, addr, mport)
+        return _from_torchrun(env)
     if launcher == "slurm":
-        rank, world, local_rank = _need(
-            env, launcher, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"
-        )
-        nodelist = (
-            env.get("SLURM_STEP_NODELIST")
-            or env.get("SLURM_JOB_NODELIST")
-            or env.get("SLURM_NODELIST")
-        )
-        if not nodelist:
-            _need(env, launcher, "SLURM_NODELIST")
-        local_size = env.get("SLURM_NTASKS_PER_NODE")
-        tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        if tasks and "SLURM_NODEID" in env:
-            local_size = str(parse_tasks_per_node(tasks)[int(env["SLURM_NODEID"])])
-        addr = env.get("MASTER_ADDR") or _first_host(nodelist)  # type: ignore[arg-type]
-        return _pack(rank, world, local_rank, local_size or "1", addr, default_port)
+        return _from_slurm(env, default_port)
     if launcher == "mpi":
-        if "OMPI_COMM_WORLD_RANK" in env:
-            rank, world = _need(env, launcher, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
-            local_rank = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
-            local_size = env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
-        else:
-            rank, world = _need(env, launcher, "PMI_RANK", "PMI_SIZE")
-            local_rank = env.get("MPI_LOCALRANKID", "0")
-            local_size = env.get("MPI_LOCALNRANKS", "1")
-        addr = env.get("MASTER_ADDR")
-        if not addr:
-            if local_size != world:
-                raise RuntimeError(
-                    "init_dist(launcher='mpi'): the job spans several nodes and MASTER_ADDR "
-                    "is not set. Export it to every rank, e.g. "
-                    "mpirun -x MASTER_ADDR=<first host> -x MASTER_PORT=29500 ..."
-                )
-            addr = "127.0.0.1"
-        return _pack(rank, world, local_rank, local_size, addr, default_port)
+        return _from_mpi(env, default_port)
     raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)} or 'auto', got {launcher!r}")
+
+
+def _from_torchrun(env: Mapping[str, str]) -> dict[str, str]:
+    rank, world, addr, port = _need(env, "pytorch", *_TORCHRUN_VARS)
+    local_rank = env.get("LOCAL_RANK", "0")
+    local_size = env.get("LOCAL_WORLD_SIZE", world if addr in _LOOPBACK else "1")
+    return _pack(rank, world, local_rank, local_size, addr, port)
+
+
+def _from_slurm(env: Mapping[str, str], port: str) -> dict[str, str]:
+    rank, world, local_rank = _need(env, "slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+    nodelist = (
+        env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    )
+    if not nodelist:
+        (nodelist,) = _need(env, "slurm", "SLURM_NODELIST")
+    local_size = env.get("SLURM_NTASKS_PER_NODE") or "1"
+    tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if tasks and "SLURM_NODEID" in env:
+        local_size = str(parse_tasks_per_node(tasks)[int(env["SLURM_NODEID"])])
+    addr = env.get("MASTER_ADDR") or _first_host(nodelist)
+    return _pack(rank, world, local_rank, local_size, addr, port)
+
+
+def _from_mpi(env: Mapping[str, str], port: str) -> dict[str, str]:
+    if "OMPI_COMM_WORLD_RANK" in env:
+        rank, world = _need(env, "mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+        local_rank = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+        local_size = env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
+    else:
+        rank, world = _need(env, "mpi", "PMI_RANK", "PMI_SIZE")
+        local_rank = env.get("MPI_LOCALRANKID", "0")
+        local_size = env.get("MPI_LOCALNRANKS", "1")
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        if local_size != world:
+            raise RuntimeError(
+                "init_dist(launcher='mpi'): the job spans several nodes and MASTER_ADDR "
+                "is not set. Export it to every rank, e.g. "
+                "mpirun -x MASTER_ADDR=<first host> -x MASTER_PORT=29500 ..."
+            )
+        addr = "127.0.0.1"
+    return _pack(rank, world, local_rank, local_size, addr, port)
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

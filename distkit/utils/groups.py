@@ -54,8 +54,8 @@ def _normalize_ranks(ranks: Iterable[int], world_size: int) -> tuple[int, ...]:
             raise TypeError(f"get_group: ranks must hold ints, got {r!r} ({type(r).__name__})")
         if not 0 <= r < world_size:
             raise ValueError(
-                f"get_group: rank {r} is out of range for a world of {world_size} "
-                f"rank{'s' if world_size != 1 else ''} (valid: 0..{world_size - 1})"
+                f"get_group: rank {r} is out of range for a world of size {world_size} "
+                f"(valid: 0..{world_size - 1})"
             )
         out.append(r)
     if not out:
