@@ -5,7 +5,8 @@ Each one is here, with the reason, so a torch upgrade has one file to check.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as td
@@ -84,6 +85,23 @@ def backend_config(pg: Any) -> str:
         return str(td.get_backend_config(pg)).lower()
     except (AttributeError, RuntimeError, ValueError):
         return backend_name(pg)
+
+
+def group_timeout(pg: Any) -> Optional[timedelta]:
+    """The collective timeout ``pg`` was created with, or ``None`` if torch hides it.
+
+    torch keeps it only in each device backend's options (``ProcessGroupGloo.options``),
+    and ``new_group(timeout=None)`` takes torch's default (30 minutes) rather than the
+    world's: distkit reads the world's here to give its sub-groups the same.
+    """
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no such backend on this group, or no options on this torch
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
 
 
 def is_registered(pg: Any) -> bool:

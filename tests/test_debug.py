@@ -136,3 +136,66 @@ def test_debug_mode_from_the_environment():
     code = "import distkit.dist as d; print(d.get_debug())"
     assert run(["-c", code], DISTKIT_DEBUG="1").stdout.strip() == "True"
     assert run(["-c", code]).stdout.strip() == "False"
+
+
+# -- timeouts on sub-groups, and a second timeout in the same world -------------------
+
+
+def _hang_on_subgroups() -> str:
+    """Rank 0 waits on [0, 1], rank 1 on [1, 2], rank 2 never comes; groups have no
+    timeout of their own, so they take the world's (4 s)."""
+    rank = dist.get_rank()
+    _settings.set("hang_grace", 3.0)
+    first, second = get_group([0, 1]), get_group([1, 2])
+    start = time.monotonic()
+    if rank == 2:
+        time.sleep(10)
+        return ""
+    with pytest.raises(dist.CollectiveTimeoutError) as info:
+        dist.all_reduce(torch.ones(1), group=first if rank == 0 else second)
+    assert time.monotonic() - start < 15, "the sub-group waited longer than the world's timeout"
+    return str(info.value)
+
+
+def _second_timeout() -> str:
+    """After one timeout, a second one must not read the first one's posts."""
+    rank = dist.get_rank()
+    _settings.set("hang_grace", 2.0)
+    first, second = get_group([0, 1]), get_group([1, 2])
+    again = get_group([0, 1], timeout=4)  # fresh connections for the second hang
+    if rank == 0:  # first hang: rank 1 waits in a barrier elsewhere
+        with pytest.raises(dist.CollectiveTimeoutError):
+            dist.all_reduce(torch.ones(1), group=first)
+    elif rank == 1:
+        with pytest.raises(dist.CollectiveTimeoutError):
+            dist.barrier(second)
+    else:
+        time.sleep(7)
+    if rank == 0:  # second hang: rank 1 is busy, in no collective at all
+        with pytest.raises(dist.CollectiveTimeoutError) as info:
+            dist.broadcast(torch.ones(1), group=again)
+        return str(info.value)
+    time.sleep(10)
+    return ""
+
+
+@pytest.fixture
+def short_world():
+    from distkit.local.pool import RankPool
+
+    pool = RankPool(3, timeout=60, pg_timeout=4)
+    yield pool
+    pool.close()
+
+
+def test_subgroups_take_the_worlds_timeout_and_name_where_ranks_wait(short_world):
+    texts = short_world.run(_hang_on_subgroups)
+    assert "rank 1 is waiting in all_reduce (its call #1 on group [1, 2])" in texts[0]
+    assert "rank 1 posted nothing" in texts[1]  # rank 2, group rank 1 of [1, 2], slept
+    assert all("Connection closed" not in t for t in texts[:2])
+
+
+def test_a_second_timeout_does_not_read_the_first_ones_posts(short_world):
+    text = short_world.run(_second_timeout)[0]
+    assert "rank 1 posted nothing" in text, text
+    assert "barrier" not in text, "a stale post from the first hang was read"

@@ -204,3 +204,21 @@ def test_expanded_tensors_are_reduced_and_broadcast_in_place():
                 dist.all_reduce(mixed)
         else:
             dist.all_reduce(mixed)
+
+
+@ranks(2)
+def test_a_second_thread_on_a_busy_group_raises_instead_of_aborting():
+    import threading
+
+    rank, _ = world()
+    if rank == 1:
+        time.sleep(2)  # keeps rank 0's first thread inside its barrier
+        dist.barrier()
+        return
+    waiting = threading.Thread(target=dist.barrier, name="trainer")
+    waiting.start()
+    time.sleep(0.5)
+    msg = raised(RuntimeError, lambda: dist.all_reduce(torch.ones(1)))
+    assert "thread 'trainer' is in a collective on this group already" in msg
+    waiting.join(10)
+    assert not waiting.is_alive()

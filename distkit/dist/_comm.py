@@ -14,6 +14,7 @@ hottest calls skip this resolution when there is nothing to resolve.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
@@ -42,7 +43,7 @@ GroupLike = Union[None, ProcessGroup, Sequence[int]]
 class _GroupFacts:
     """What distkit learns about a process group once: size, rank, backend, devices."""
 
-    __slots__ = ("backend", "cpu_home", "rank", "ranks", "ref", "seq", "size", "types")
+    __slots__ = ("backend", "cpu_home", "rank", "ranks", "ref", "seq", "size", "thread", "types")
 
     def __init__(self, pg: ProcessGroup) -> None:
         self.ref = weakref.ref(pg, _forget)
@@ -54,6 +55,7 @@ class _GroupFacts:
         self.cpu_home: bool = self.types[0] == "cpu"
         self.ranks: Optional[list[int]] = None
         self.seq = 0  # collectives this process entered on the group (hang reports)
+        self.thread: Optional[threading.Thread] = None  # the thread in a collective on it
 
 
 # Keyed by id and holding the group only weakly: distkit never keeps a process group
@@ -110,12 +112,37 @@ class Comm:
         """Lower-case backend string of the group (``None`` in a single process)."""
         return None if self._facts is None else self._facts.backend
 
-    def next_call(self) -> int:
-        """Count one more collective entered on this group; return its number."""
-        if self._facts is None:
+    def enter(self, fn: str) -> int:
+        """Note that this thread entered a collective on the group; return its number.
+
+        A process group serves one thread at a time: two threads in collectives on one
+        group enqueue their work in an order the other ranks cannot follow, and the
+        backend aborts the process (gloo) or deadlocks. The second thread raises here
+        instead. Threads may use different groups at once.
+        """
+        facts = self._facts
+        if facts is None:
             return 0
-        self._facts.seq += 1
-        return self._facts.seq
+        me = threading.current_thread()
+        busy = facts.thread
+        if busy is not None and busy is not me and busy.is_alive():
+            fail(
+                RuntimeError,
+                fn,
+                self,
+                f"thread {busy.name!r} is in a collective on this group already, and a "
+                "process group serves one thread at a time",
+                "Run the collectives of one group from one thread, or give each thread a "
+                "group of its own (distkit.utils.get_group(ranks, timeout=...) makes one)",
+            )
+        facts.thread = me
+        facts.seq += 1
+        return facts.seq
+
+    def leave(self) -> None:
+        """Note that this thread left its collective on the group."""
+        if self._facts is not None:
+            self._facts.thread = None
 
     def global_ranks(self) -> list[int]:
         """Global rank of each group rank."""

@@ -170,8 +170,11 @@ def _to(t: Tensor, device: torch.device) -> Tensor:
     return t if t.device == device else t.to(device)
 
 
-def _gather_shapes(comm: Comm, data: Tensor, fn: str) -> list[tuple[int, ...]]:
-    """Every rank's shape (one small all_gather); every rank must send one dtype."""
+def _gather_shapes(comm: Comm, data: Tensor, same_shape: bool, fn: str) -> list[tuple[int, ...]]:
+    """Every rank's shape: ``data``'s, when promised, else one small all_gather's (and
+    then every rank must send one dtype)."""
+    if same_shape:
+        return [tuple(data.shape)] * comm.size
     dev = comm.device(data)
     rows = _all_gather_rows(comm, _header(data), dev)
     longest = max(row[1] for row in rows)
@@ -224,10 +227,7 @@ class TorchBackend(TorchObjects):
     ) -> Result[list[Tensor]]:
         # gloo rejects uneven all_gather (pytorch#23299): exchange shapes, then either
         # broadcast each rank's exact bytes (large, CPU) or pad to the largest and trim.
-        if same_shape:
-            shapes = [tuple(data.shape)] * comm.size
-        else:
-            shapes = _gather_shapes(comm, data, "all_gather")
+        shapes = _gather_shapes(comm, data, same_shape, "all_gather")
         buf, _ = _stage(comm, data)
         dev, size, rank = buf.device, comm.size, comm.rank
         numels = [_numel(s) for s in shapes]
@@ -270,10 +270,7 @@ class TorchBackend(TorchObjects):
     ) -> Result[list[Tensor]]:
         # Shapes go to every rank (one small all_gather), so all ranks agree on the plan
         # and a dtype mismatch fails everywhere instead of hanging the senders.
-        if same_shape:
-            shapes = [tuple(data.shape)] * comm.size
-        else:
-            shapes = _gather_shapes(comm, data, "gather")
+        shapes = _gather_shapes(comm, data, same_shape, "gather")
         buf, _ = _stage(comm, data)
         dev, rank, dst_global = buf.device, comm.rank, comm.global_rank(dst)
         even = all(s == shapes[0] for s in shapes)

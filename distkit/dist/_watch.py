@@ -46,9 +46,9 @@ def watched(method: F) -> F:
     def run(self: Any, comm: Comm, *args: Any) -> Any:
         if getattr(_local, "depth", 0):  # inside another collective: checked there
             return method(self, comm, *args)
-        seq = comm.next_call()
         named = dict(zip(params, args))
         public = named["call"].fn if "call" in named else name
+        seq = comm.enter(public)
         _local.depth = 1
         try:
             if _settings.get("debug"):
@@ -64,6 +64,7 @@ def watched(method: F) -> F:
             raise
         finally:
             _local.depth = 0
+            comm.leave()
         return result
 
     return run  # type: ignore[return-value]

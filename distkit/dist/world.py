@@ -196,7 +196,10 @@ def _owned_local_group() -> Any:
     return None
 
 
-def _local(group_value: Callable[[Any], int], env_name: str, fn: str) -> int:
+def _local(alone: int, group_value: Callable[[Any], int], env_name: str, fn: str) -> int:
+    """``alone`` in a single process, else from the local group or ``env_name``."""
+    if not is_distributed():
+        return alone
     group = _owned_local_group()
     if group is not None:
         return group_value(group)
@@ -225,9 +228,7 @@ def get_local_rank() -> int:
         >>> dist.get_local_rank()
         0
     """
-    if not is_distributed():
-        return 0
-    return _local(lambda g: g.rank(), "LOCAL_RANK", "get_local_rank")
+    return _local(0, lambda g: g.rank(), "LOCAL_RANK", "get_local_rank")
 
 
 def get_local_size() -> int:
@@ -243,9 +244,7 @@ def get_local_size() -> int:
         >>> dist.get_local_size()
         1
     """
-    if not is_distributed():
-        return 1
-    return _local(lambda g: g.size(), "LOCAL_WORLD_SIZE", "get_local_size")
+    return _local(1, lambda g: g.size(), "LOCAL_WORLD_SIZE", "get_local_size")
 
 
 def init_local_group(node_rank: int, num_gpus_per_node: int) -> None:

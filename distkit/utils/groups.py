@@ -20,9 +20,10 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch.distributed as td
+from torch.distributed.constants import default_pg_timeout
 
 from distkit import _registry
-from distkit._compat import ProcessGroup, backend_config, backend_name
+from distkit._compat import ProcessGroup, backend_config, backend_name, group_timeout
 
 _Key = tuple[tuple[int, ...], str, Optional[float]]
 
@@ -91,7 +92,8 @@ def get_group(
             order, as in ``torch.distributed.new_group``).
         backend: Backend of the new group; ``None`` uses the default group's.
         timeout: Timeout of the new group's collectives, in seconds or a timedelta;
-            ``None`` uses torch's default.
+            ``None`` gives it the default group's timeout (torch's own ``new_group``
+            would take its 30-minute default instead).
 
     Returns:
         The cached group (one per ranks, backend and timeout). The whole world with the
@@ -124,6 +126,8 @@ def get_group(
     if pg is None:
         if seconds is not None:
             timeout = timedelta(seconds=seconds)
+        else:  # the world's timeout, so a hang on a sub-group is reported as soon
+            timeout = group_timeout(world) or default_pg_timeout
         pg = td.new_group(list(key_ranks), backend=backend, timeout=timeout)
         cache[key] = pg
         if isinstance(pg, ProcessGroup) and not supports_cpu(backend_config(pg)):
