@@ -33,8 +33,10 @@ def test_all_reduce_dict_any_key_order():
     assert mean["b"].tolist() == [2.0]
     with pytest.raises(TypeError, match=r"data\['n'\] must be a torch.Tensor"):
         dist.all_reduce_dict({"n": 3})
-    with pytest.raises(TypeError, match=r"op='mean' needs a floating-point .* data\['c'\]"):
-        dist.all_reduce_dict({"c": torch.tensor(1)}, op="mean")
+    with pytest.raises(TypeError, match=r"op='bxor' needs an integer or bool data\['c'\]"):
+        dist.all_reduce_dict({"c": torch.tensor(1.0)}, op="bxor")
+    ints = dist.all_reduce_dict({"c": torch.tensor(rank + 1)}, op="mean")
+    assert ints["c"].item() == sum(range(1, size + 1)) // size  # positive: truncated down
 
 
 @ranks(*WORLDS)

@@ -110,17 +110,41 @@ def test_all_gather_object_plain_values_and_sizes():
 
 
 @ranks(*WORLDS)
-def test_received_tensors_are_views_of_one_buffer_and_land_on_cpu():
+def test_received_tensors_own_their_memory_and_land_on_cpu():
     rank = dist.get_rank()
     out = dist.all_gather_object([torch.ones(4) * rank, torch.zeros(2)])
     for r, (a, b) in enumerate(out):
         assert a.device.type == "cpu" and a.tolist() == [float(r)] * 4
         if r != rank:
-            assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            # small parts of the receive buffer are copied out: nothing else is kept
+            # alive with them, or written by torch.save with them
+            for t in (a, b):
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
             a += 1  # writable, and does not touch its neighbour
             assert b.tolist() == [0.0, 0.0]
     moved = dist.all_gather_object(torch.ones(1), map_location="cpu")
     assert all(t.device.type == "cpu" for t in moved)
+
+
+@ranks(*WORLDS)
+def test_a_kept_slice_never_holds_other_data():
+    import io
+
+    rank, _ = world()
+    big = torch.full((2_000_000,), float(rank))  # 8 MB: received without a copy
+    out = dist.all_gather_object({"big": big, "small": torch.tensor([rank, rank])})
+    for r, got in enumerate(out):
+        if r == rank:
+            assert got["big"] is big
+            continue
+        small, large = got["small"], got["big"]
+        assert large.untyped_storage().nbytes() == large.numel() * 4  # exactly its bytes
+        start, length = large.untyped_storage().data_ptr(), large.untyped_storage().nbytes()
+        assert not start <= small.untyped_storage().data_ptr() < start + length
+        saved = io.BytesIO()
+        torch.save(small[:1], saved)  # a slice of a small result: a small checkpoint
+        assert saved.tell() < 2000, saved.tell()
 
 
 @ranks(*WORLDS)
@@ -237,3 +261,30 @@ def test_object_argument_errors():
     with pytest.raises(ValueError, match=f"data must hold {size} objects"):
         dist.scatter_object_list([1] * (size + 1) if rank == 0 else None)
     assert dist.all_gather_object(rank) == list(range(size))
+
+
+@ranks(*WORLDS)
+def test_every_plain_tensor_can_be_sent():
+    import warnings
+
+    rank, _ = world()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype in torch
+        nested = torch.nested.nested_tensor([torch.ones(2) * rank, torch.ones(3)])
+    kinds = {
+        "sparse": torch.eye(2).to_sparse() * rank,
+        "mkldnn": (torch.ones(2) * rank).to_mkldnn(),  # arrives as a dense tensor
+        "nested": nested,
+        "meta": torch.empty(3, device="meta"),
+    }
+    out = dist.all_gather_object(kinds)
+    assert out[rank] is kinds
+    for r, got in enumerate(out):
+        if r == rank:
+            continue
+        assert torch.equal(got["sparse"].to_dense(), torch.eye(2) * r)
+        assert got["mkldnn"].layout is torch.strided and got["mkldnn"].tolist() == [float(r)] * 2
+        assert got["nested"].is_nested and got["nested"].unbind()[0].tolist() == [float(r)] * 2
+        assert got["meta"].is_meta
+    alone = torch.ones(2).to_mkldnn()
+    assert dist.all_gather_object(alone)[rank] is alone

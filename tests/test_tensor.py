@@ -248,8 +248,6 @@ def test_bad_arguments_fail_before_communicating():
     )
     msg = raises(ValueError, dist.all_reduce, t, op="median")
     assert msg.startswith("all_reduce: unknown op 'median'") and "sum, mean, max" in msg
-    msg = raises(TypeError, dist.all_reduce, torch.ones(2, dtype=torch.int64), op="mean")
-    assert "op='mean' needs a floating-point or complex" in msg and where in msg
     msg = raises(TypeError, dist.all_reduce, t, op="bxor")
     assert "needs an integer or bool" in msg
     msg = raises(TypeError, dist.all_reduce, torch.ones(1, dtype=torch.complex64), op="max")
@@ -338,3 +336,22 @@ def test_same_shape_skips_the_shape_round():
     if size > 1:
         with pytest.raises(ValueError, match="data mixes shapes"):
             dist.all_to_all([torch.ones(1)] * (size - 1) + [torch.ones(2)], same_shape=True)
+
+
+@ranks(*WORLDS)
+def test_mean_keeps_the_dtype_as_mmengine_does():
+    rank, size = world()
+    ints = torch.tensor([rank + 1, -(rank + 1), 7], dtype=torch.int64)
+    out = dist.all_reduce(ints, op="mean")
+    total = sum(range(1, size + 1))
+    assert out is ints and ints.dtype == torch.int64
+    # truncation toward zero, like mmengine's float division copied back into the ints
+    assert ints.tolist() == [int(total / size), int(-total / size), 7]
+    small = dist.all_reduce(torch.tensor([rank], dtype=torch.int8), op="mean")
+    assert small.dtype == torch.int8 and small.item() == int(sum(range(size)) / size)
+    flags = dist.all_reduce(torch.tensor([rank == 0, False]), op="mean")
+    assert flags.tolist() == [True, False]  # the or of the ranks' bools
+    big = torch.tensor([2**53 + 1], dtype=torch.int64)  # exact, where float32 is not
+    assert dist.all_reduce(big, op="mean").item() == 2**53 + 1
+    chunks = dist.reduce_scatter(torch.full((size * 2,), rank + 1), op="mean")
+    assert chunks.tolist() == [int(total / size)] * 2

@@ -22,7 +22,20 @@ class Op(NamedTuple):
 
     name: str
     torch_op: Any
-    divide: bool = False  # mean: sum, then divide by the group size
+    divide: bool = False  # mean: sum, then divide by the group size (see mean_of)
+
+
+def mean_of(total: Tensor, size: int) -> None:
+    """Turn ``total``, a sum over ``size`` ranks, into their mean, in place.
+
+    The result keeps ``total``'s dtype, as mmengine's does: integers are divided with
+    truncation toward zero (exactly: mmengine goes through float32), and for bools the
+    sum is already their logical or, which is what the mean of bools stored as a bool is.
+    """
+    if total.dtype.is_floating_point or total.dtype.is_complex:
+        total.div_(size)
+    elif total.dtype is not torch.bool:
+        total.div_(size, rounding_mode="trunc")
 
 
 NAMES = ("sum", "mean", "max", "min", "product", "band", "bor", "bxor")
@@ -98,14 +111,6 @@ def check_dtype(op: Op, t: Tensor, name: str, fn: str, comm: Comm) -> None:
     dtype = t.dtype
     if (op.name, dtype) in _VALID:
         return
-    if op.name == "mean" and not (dtype.is_floating_point or dtype.is_complex):
-        fail(
-            TypeError,
-            fn,
-            comm,
-            f"op='mean' needs a floating-point or complex {name}, got {dtype}",
-            f"Cast first, e.g. {name}.float(), or use op='sum'",
-        )
     if op.name in ("band", "bor", "bxor") and (dtype.is_floating_point or dtype.is_complex):
         fail(
             TypeError,

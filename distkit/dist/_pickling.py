@@ -29,8 +29,22 @@ TENSOR_TYPES = (Tensor, torch.nn.Parameter)
 
 
 def sendable(t: Tensor) -> bool:
-    """Dense tensors travel as raw bytes; others (sparse, quantized, meta) pickle."""
-    return t.layout is torch.strided and not t.is_quantized and t.device.type != "meta"
+    """Dense tensors travel as raw bytes; others (sparse, quantized, nested, meta) pickle.
+
+    MKL-DNN tensors, which torch cannot pickle, travel as raw bytes too and arrive as
+    dense tensors: so every plain ``torch.Tensor`` can be sent.
+    """
+    if t.layout is _MKLDNN:
+        return True
+    return (
+        t.layout is torch.strided
+        and not t.is_quantized
+        and not t.is_nested
+        and t.device.type != "meta"
+    )
+
+
+_MKLDNN = getattr(torch, "_mkldnn", None)
 
 
 def _placeholder(*args: Any) -> NoReturn:

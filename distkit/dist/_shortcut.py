@@ -31,6 +31,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _test(name: str, condition: Any, bind: Callable[[Any], str]) -> str:
     """Source of one condition on parameter ``name``; ``bind`` names a closure value."""
+    if condition is None or condition is True or condition is False:
+        return f"{name} is {condition}"
     if isinstance(condition, tuple):
         return "(" + " or ".join(_test(name, c, bind) for c in condition) + ")"
     if isinstance(condition, type):
@@ -64,7 +66,7 @@ def shortcut(returns: str, world: Optional[str] = None, **when: Any) -> Callable
 
     def compile_(checked: F) -> F:
         sig = inspect.signature(checked)
-        closure: dict[str, Any] = {"_checked": checked, "_registry": _registry}
+        closure: dict[str, Any] = {"_checked": checked, "_world": _registry.current}
 
         def bind(value: Any) -> str:
             name = f"_c{len(closure)}"
@@ -82,11 +84,11 @@ def shortcut(returns: str, world: Optional[str] = None, **when: Any) -> Callable
         tests = [_test(name, cond, bind) for name, cond in when.items()] or ["True"]
         body = [f"        if {' and '.join(tests)}:"]
         if world is None:
-            body[0] = body[0][:-1] + " and _registry.current._default_pg is None:"
+            body[0] = body[0][:-1] + " and _world._default_pg is None:"
             body.append(f"            return {returns}")
         else:
             body += [
-                "            pg = _registry.current._default_pg",
+                "            pg = _world._default_pg",
                 f"            return {returns} if pg is None else {world}",
             ]
         source = "\n".join(
@@ -101,6 +103,8 @@ def shortcut(returns: str, world: Optional[str] = None, **when: Any) -> Callable
         namespace: dict[str, Any] = {}
         exec(compile(source, f"<distkit shortcut of {checked.__name__}>", "exec"), namespace)
         inner = namespace["factory"](*closure.values())
+        cells = dict(zip(inner.__code__.co_freevars, inner.__closure__ or ()))
+        _registry.watch(cells["_world"])  # it follows the registry once torch is loaded
         # Home the function in the collective's module, so that tools looking for a
         # module's own functions (doctest, pickling by name) find it there.
         fast = types.FunctionType(

@@ -23,6 +23,7 @@ from distkit._compat import all_gather_single, reduce_scatter_single
 from distkit.dist import _args
 from distkit.dist._args import fail
 from distkit.dist._backend import Result
+from distkit.dist._ops import mean_of
 from distkit.dist._torch_objects import TorchObjects
 from distkit.dist._watch import watched
 from distkit.dist.handle import Handle
@@ -112,7 +113,7 @@ def _write(data: Tensor, result: Tensor, fn: str, comm: Comm) -> None:
 def _reduced(data: Tensor, buf: Tensor, staged: bool, op: Op, fn: str, comm: Comm) -> Tensor:
     """Finish a reduction that ran in ``buf``: divide for mean, copy back to ``data``."""
     if op.divide:
-        buf.div_(comm.size)
+        mean_of(buf, comm.size)
     if staged:
         _write(data, buf, fn, comm)
     return data
@@ -344,7 +345,7 @@ class TorchBackend(TorchObjects):
 
         def finish() -> Tensor:
             if op.divide:
-                out.div_(comm.size)
+                mean_of(out, comm.size)
             return _to(out, home)
 
         return _complete(_works(work), finish, async_op)

@@ -64,6 +64,8 @@ def _align(n: int) -> int:
 def flat_bytes(t: Tensor) -> Tensor:
     """A contiguous 1-D uint8 view of ``t``'s data (a copy only if ``t`` is strided)."""
     t = t.detach()
+    if t.layout is not torch.strided:  # MKL-DNN: its bytes, as a dense tensor's
+        t = t.to_dense()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
@@ -221,6 +223,19 @@ def _target_device(sent_type: str, map_location: Optional[torch.device]) -> Opti
     return None  # this rank has no such device: keep the tensor on the CPU
 
 
+def _shares(size: int, buffer: int) -> bool:
+    """Whether a received part of ``size`` bytes may stay in the ``buffer``-byte receive
+    buffer (no copy) rather than get memory of its own.
+
+    A received tensor that stays in the receive buffer keeps all of it alive (and, for
+    the first round's slots, the buffer holds other ranks' objects too). So only a part
+    that is most of its buffer stays there (zero-copy: at most 2x its size is kept
+    alive); smaller parts are copied out. Each received tensor has a storage of its own
+    either way, exactly its size: ``torch.save`` writes its bytes and nothing else.
+    """
+    return 2 * size >= buffer
+
+
 def decode(
     enc: Encoded,
     map_location: Optional[torch.device] = None,
@@ -245,7 +260,8 @@ def decode(
     cpu_off = _align(table_end + skel_len)
     dev_off = 0
     spans = []
-    oob = []
+    oob: list[Any] = []
+    cpu_buffer = cpu.untyped_storage().nbytes()  # all the receive buffer holds
     for i in range(n_blobs):
         size, place = table[2 * i], table[2 * i + 1]
         if place == DEV_BLOB:
@@ -254,7 +270,8 @@ def decode(
         else:
             spans.append((place, cpu_off, size))
             if place == OOB_BLOB:
-                oob.append(raw[cpu_off : cpu_off + size])
+                part = raw[cpu_off : cpu_off + size]
+                oob.append(part if _shares(size, cpu_buffer) else bytearray(part))
             cpu_off = _align(cpu_off + size)
 
     def tensor(
@@ -265,9 +282,16 @@ def decode(
         source = dev if place == DEV_BLOB else cpu
         assert source is not None
         if size == 0:
-            t = torch.empty(shape, dtype=dt, device=source.device)
-        else:
-            t = source[offset : offset + size].view(dt).view(shape)
+            t = torch.zeros(shape, dtype=dt, device=source.device)
+        elif place == DEV_BLOB:
+            own = source[offset : offset + size]
+            if not _shares(size, source.untyped_storage().nbytes()):
+                own = own.clone()
+            t = own.view(dt).view(shape)
+        elif _shares(size, cpu_buffer):  # most of the buffer: a storage of its own over it
+            t = torch.frombuffer(raw[offset : offset + size], dtype=dt).view(shape)
+        else:  # a small part: memory of its own, so it never keeps the rest alive
+            t = source[offset : offset + size].clone().view(dt).view(shape)
         target = _target_device(dev_type, map_location)
         if target is not None and t.device != target:
             t = t.to(target)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from torch import Tensor
+
 from distkit.dist import _args, _pickling, serializer
 from distkit.dist._backend import ObjectCall
 from distkit.dist._comm import Comm, GroupLike, resolve
@@ -33,20 +35,31 @@ def _call(fn: str, comm: Comm, map_location: Any, serializer_name: Optional[str]
     return ObjectCall(fn, device, serializer.resolve(serializer_name, fn, comm))
 
 
+_ATOMS = _pickling.ATOMS
+# atoms, and plain tensors (every torch.Tensor encodes: see _pickling.sendable)
+_ALWAYS = _ATOMS | {Tensor}
+
+
 def _flat_dict(data: Any) -> bool:
-    return data.__class__ is dict and _pickling.flat(data)
+    """A dict of atoms (a step's metrics): it always encodes."""
+    if data.__class__ is not dict:
+        return False
+    for key, value in data.items():
+        if key.__class__ not in _ATOMS or value.__class__ not in _ATOMS:
+            return False
+    return True
 
 
 def _never(data: Any) -> bool:
     return False
 
 
-# The single-process shortcut returns atoms and flat dicts of atoms (a step's metrics)
-# at once; nothing while DISTKIT_SERIALIZER is bad, so that the checked path raises the
-# error a world of many ranks would.
+# The single-process shortcut returns atoms, tensors and flat dicts of atoms (a step's
+# metrics) at once; nothing while DISTKIT_SERIALIZER is bad, so that the checked
+# path raises the error a world of many ranks would.
 @shortcut(
     "[data]",
-    data=(_pickling.ATOMS, _flat_dict) if serializer.ENV_OK else _never,
+    data=(_ALWAYS, _flat_dict) if serializer.ENV_OK else _never,
     group=None,
     map_location=None,
     serializer=None,

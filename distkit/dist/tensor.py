@@ -40,7 +40,7 @@ def all_reduce(
 def all_reduce(
     data: Tensor, op: OpLike = ..., group: GroupLike = ..., async_op: bool = ...
 ) -> Union[Tensor, Handle[Tensor]]: ...
-@shortcut("data", data=Tensor, op="sum", group=None, async_op=False)
+@shortcut("data", data=Tensor, op=("sum", "mean"), group=None, async_op=False)
 def all_reduce(
     data: Tensor, op: OpLike = "sum", group: GroupLike = None, async_op: bool = False
 ) -> Union[Tensor, Handle[Tensor]]:
@@ -51,7 +51,10 @@ def all_reduce(
 
     ``data`` is modified in place (as in torch and mmengine) and returned, so code written
     for ``mmengine.dist.all_reduce`` keeps working. ``mean`` sums, then divides by the
-    group size, on every backend (gloo has no native average in older torch).
+    group size, on every backend (gloo has no native average), and keeps ``data``'s dtype
+    as mmengine does: integers are divided with truncation toward zero (``[1]`` and
+    ``[2]`` give ``[1]``, ``[-1]`` and ``[-2]`` give ``[-1]``), and bools take the
+    logical or.
 
     Args:
         data: Tensor to reduce; its device may differ from the backend's (it is staged
@@ -66,7 +69,7 @@ def all_reduce(
 
     Raises:
         TypeError: ``data`` is not a tensor, or ``op`` does not apply to its dtype
-            (``mean`` on integers, bitwise ops on floats, ``max`` on complex).
+            (bitwise ops on floats, ``max`` on complex).
         ValueError: ``op`` is not a known name.
 
     Examples:
@@ -306,7 +309,7 @@ def reduce(
 def reduce(
     data: Tensor, dst: int = ..., op: OpLike = ..., group: GroupLike = ..., async_op: bool = ...
 ) -> Union[Tensor, Handle[Tensor]]: ...
-@shortcut("data", data=Tensor, dst=0, op="sum", group=None, async_op=False)
+@shortcut("data", data=Tensor, dst=0, op=("sum", "mean"), group=None, async_op=False)
 def reduce(
     data: Tensor,
     dst: int = 0,
