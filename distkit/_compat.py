@@ -104,6 +104,34 @@ def group_timeout(pg: Any) -> Optional[timedelta]:
     return None
 
 
+def destroy(groups: Optional[list[Any]] = None) -> None:
+    """``destroy_process_group`` for each of ``groups`` (``None``: the world, and with it
+    every group), without the deadlock torch before 2.8 can fall into.
+
+    There, ``~ProcessGroup`` runs with the GIL held and joins gloo's worker threads, one of
+    which may be freeing a tensor with a Python object, which needs the GIL: both wait
+    forever (pytorch#75097; fixed by pytorch#154976). Holding each group's gloo backend
+    while the groups go, and letting go of the backends only after the last group
+    reference, moves that join into the backend's destructor, which releases the GIL.
+    The caller must hold no other reference to the groups (``groups`` itself is emptied).
+    """
+    targets = list(c10d._world.pg_map) if groups is None else groups
+    held = []
+    for pg in targets:
+        for device in ("cpu", "cuda"):
+            try:
+                held.append(pg._get_backend(torch.device(device)))
+            except Exception:  # no backend for that device
+                pass
+    if groups is None:
+        targets.clear()
+        td.destroy_process_group()
+    else:
+        while groups:
+            td.destroy_process_group(groups.pop())
+    held.clear()  # the last references: each backend now dies without the GIL
+
+
 def is_registered(pg: Any) -> bool:
     """Whether ``pg`` belongs to the current world (False once it was destroyed)."""
     return pg in c10d._world.pg_map if hasattr(c10d, "_world") else True

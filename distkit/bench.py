@@ -217,7 +217,7 @@ def _tensor_cases(rank: int, size: int, quick: bool) -> list[tuple]:
             },
             "all_to_all": {
                 "distkit": lambda c=chunks: dist.all_to_all(c, same_shape=True),
-                "torch": lambda c=chunks: td.all_to_all([torch.empty_like(t) for t in c], c),
+                "torch": lambda c=chunks: _raw_all_to_all(c),
             },
         }
         for op, fns in impls.items():
@@ -251,6 +251,20 @@ def _tensor_cases(rank: int, size: int, quick: bool) -> list[tuple]:
     )
     rows.append((case, fns, None))
     return rows
+
+
+def _raw_all_to_all(chunks: list[torch.Tensor]) -> Any:
+    """torch's all_to_all, as a user calls it (gloo before 2.13 has only the single form)."""
+    outs = [torch.empty_like(t) for t in chunks]
+    try:
+        td.all_to_all(outs, chunks)
+    except RuntimeError as exc:
+        if "does not support alltoall" not in str(exc):
+            raise
+        flat = torch.empty(sum(t.numel() for t in chunks))
+        td.all_to_all_single(flat, torch.cat(chunks))
+        return flat
+    return outs
 
 
 def _debug_cases(rank: int, size: int, quick: bool) -> list[tuple]:

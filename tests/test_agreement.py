@@ -166,7 +166,9 @@ CASES = [
     case("ranks hold a string", "utils.get_group", TypeError, ["0"]),
     case("group is a string", "utils.get_comm_device", TypeError, "x"),
     case("device is bogus", "utils.cast_data_device", RuntimeError, _t(), "bogus"),
-    case("no tensor", "utils.get_data_device", ValueError, {"a": 1}),
+    case("no tensor", "utils.get_data_device", TypeError, {"a": 1}),
+    case("an empty list", "utils.get_data_device", ValueError, [torch.ones(1), []]),
+    case("a string", "utils.get_data_device", TypeError, "123"),
 ]
 IDS = [f"{c.fn}: {c.name}" for c in CASES]
 

@@ -44,6 +44,8 @@ LAYERS = [
         "distkit.dist.helpers",
         "distkit.dist.evaluation",
     },
+    # mmengine's import paths (distkit.dist.dist, distkit.dist.utils): re-exports only
+    {"distkit.dist.dist", "distkit.dist.utils"},
     # 5: tools built on the API
     {"distkit", "distkit.__main__", "distkit.cli", "distkit.bench"}
     | {"distkit.local", "distkit.local.pool", "distkit.local.worker", "distkit.local.launch"}

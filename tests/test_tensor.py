@@ -355,3 +355,22 @@ def test_mean_keeps_the_dtype_as_mmengine_does():
     assert dist.all_reduce(big, op="mean").item() == 2**53 + 1
     chunks = dist.reduce_scatter(torch.full((size * 2,), rank + 1), op="mean")
     assert chunks.tolist() == [int(total / size)] * 2
+
+
+@ranks(*WORLDS)
+def test_reduce_scatter_every_op():
+    rank, size = world()
+    for op, combine in (
+        ("sum", sum),
+        ("max", max),
+        ("min", min),
+        ("product", lambda vs: __import__("math").prod(vs)),
+    ):
+        chunks = [torch.tensor([(rank + 1) * (r + 1), -rank]) for r in range(size)]
+        out = dist.reduce_scatter(chunks, op=op)
+        values = [[(k + 1) * (rank + 1), -k] for k in range(size)]
+        assert out.tolist() == [combine(v[0] for v in values), combine(v[1] for v in values)], op
+    bits = torch.tensor([1 << rank] * size * 2, dtype=torch.int32)
+    expected = {"band": 0 if size > 1 else 1, "bor": (1 << size) - 1, "bxor": (1 << size) - 1}
+    for op, value in expected.items():
+        assert dist.reduce_scatter(bits, op=op).tolist() == [value, value], op

@@ -54,10 +54,17 @@ def test_comm_device_without_process_group():
 
 
 def test_data_device_nested_and_errors():
-    data = {"a": [torch.zeros(1), ("x", torch.ones(2))], "b": 3}
+    data = {"a": [torch.zeros(1), (torch.ones(2),)], "b": {torch.ones(1)}}
     assert get_data_device(data) == torch.device("cpu")
-    with pytest.raises(ValueError, match="holds no tensor"):
-        get_data_device({"a": 1})
+    assert get_data_device(t for t in [torch.ones(1)]) == torch.device("cpu")  # any iterable
+    # as in mmengine: tensors only, and no empty container
+    with pytest.raises(TypeError, match=r"data\['b'\] is int 3, but data may hold only"):
+        get_data_device({"a": torch.ones(1), "b": 3})
+    for bad in ("123", 123, None, [torch.ones(1), "x"]):
+        with pytest.raises(TypeError, match="get_data_device"):
+            get_data_device(bad)
+    with pytest.raises(ValueError, match=r"data\[1\] is an empty list"):
+        get_data_device([torch.ones(1), []])
     if torch.backends.mps.is_available() or torch.cuda.is_available():  # pragma: no cover
         other = "cuda" if torch.cuda.is_available() else "mps"
         with pytest.raises(ValueError, match="different devices"):

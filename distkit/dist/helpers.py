@@ -198,13 +198,25 @@ def all_reduce_params(
     return tensors
 
 
+def _draw_seed() -> int:
+    try:
+        import numpy as np
+    except ImportError:  # NumPy is optional for distkit
+        return random.randrange(2**31)
+    return int(np.random.randint(2**31))
+
+
 def sync_random_seed(group: GroupLike = None) -> int:
     """Draw a random seed on rank 0 and give it to every rank.
 
     Use it to make samplers shuffle identically on every rank.
 
+    As in mmengine, every rank draws once from NumPy's global generator (so
+    ``np.random.seed(0)`` makes the result repeatable, and each rank's generator moves on
+    by one draw), and rank 0's draw wins. Without NumPy, Python's ``random`` draws.
+
     Collective: every rank in ``group`` must call this.
-    Single process: returns a fresh random seed (from Python's ``random``).
+    Single process: returns a fresh random seed.
 
     Args:
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
@@ -217,8 +229,8 @@ def sync_random_seed(group: GroupLike = None) -> int:
         >>> 0 <= dist.sync_random_seed() < 2**31
         True
     """
-    seed = random.randrange(2**31)
     comm = resolve(group, "sync_random_seed")
+    seed = _draw_seed()
     if comm.pg is None:
         return seed
     t = torch.tensor([seed], dtype=torch.int64)

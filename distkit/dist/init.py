@@ -10,10 +10,14 @@ import torch
 import torch.distributed as td
 
 from distkit import _registry
+from distkit._compat import destroy
 from distkit.dist.world import forget_local_group
 from distkit.utils import environ
 from distkit.utils.device import BACKEND_DEVICES
 from distkit.utils.groups import clear_group_cache
+
+#: mmengine's third positional argument of init_dist (only torch is supported here).
+_INIT_BACKENDS = ("torch", "deepspeed", "colossalai")
 
 
 def infer_launcher() -> str:
@@ -98,8 +102,12 @@ def init_dist(
         >>> dist.init_dist("none")
         (0, 1)
     """
-    if isinstance(timeout, str):  # mmengine's positional form: init_dist(l, b, "torch")
-        init_backend, timeout = timeout, None
+    if isinstance(timeout, str):
+        if timeout not in _INIT_BACKENDS:
+            raise TypeError(
+                f"init_dist: timeout must be seconds or a timedelta, got str {timeout!r}"
+            )
+        init_backend, timeout = timeout, None  # mmengine's init_dist(l, b, "torch")
     if init_backend != "torch":
         raise ValueError(
             f"init_dist: init_backend={init_backend!r} is not supported; distkit runs on "
@@ -152,4 +160,4 @@ def destroy_dist() -> None:
     clear_group_cache()
     forget_local_group()
     if _registry.current._default_pg is not None:
-        td.destroy_process_group()
+        destroy()

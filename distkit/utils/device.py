@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Union
 
 import torch
@@ -111,43 +111,54 @@ def _first_device(data: Any) -> Optional[torch.device]:
     return None
 
 
-def _collect_devices(data: Any, found: set) -> None:
+def _collect_devices(data: Any, found: set, path: str) -> None:
+    """Add the device of every tensor in ``data``; raise on anything but tensors."""
     if isinstance(data, Tensor):
         found.add(data.device)
-    elif isinstance(data, Mapping):
-        for v in data.values():
-            _collect_devices(v, found)
-    elif isinstance(data, (list, tuple, set, frozenset)):
-        for v in data:
-            _collect_devices(v, found)
+        return
+    if isinstance(data, Mapping):
+        items: Iterable[tuple[str, Any]] = ((f"{path}[{k!r}]", v) for k, v in data.items())
+    elif isinstance(data, Iterable) and not isinstance(data, (str, bytes)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(data))
+    else:
+        raise TypeError(
+            f"get_data_device: {path} is {type(data).__name__} {data!r:.60}, but data may "
+            "hold only tensors, in lists, tuples, sets, dicts or other iterables"
+        )
+    empty = True
+    for where, item in items:
+        empty = False
+        _collect_devices(item, found, where)
+    if empty:
+        raise ValueError(f"get_data_device: {path} is an empty {type(data).__name__}")
 
 
 def get_data_device(data: Any) -> torch.device:
     """Return the device of the tensors in ``data`` (a tensor or nested containers).
 
+    As in ``mmengine.dist``, ``data`` must be made of tensors only: a tensor, or
+    mappings and other iterables (lists, tuples, sets, generators) of them, to any depth.
+
     Args:
-        data: A tensor, or lists, tuples, namedtuples, sets and mappings holding tensors;
-            other leaves are ignored.
+        data: A tensor, or nested containers holding only tensors.
 
     Returns:
         The one device every tensor in ``data`` is on.
 
     Raises:
-        ValueError: ``data`` holds no tensor, or tensors on different devices.
+        TypeError: ``data`` holds something other than tensors and containers (a string,
+            a number, None), or is one.
+        ValueError: ``data`` or a container in it is empty, or tensors are on different
+            devices.
 
     Examples:
         >>> import torch
         >>> from distkit.utils import get_data_device
-        >>> get_data_device({"a": torch.zeros(1), "b": [torch.ones(2), "label"]})
+        >>> get_data_device({"a": torch.zeros(1), "b": [torch.ones(2)]})
         device(type='cpu')
     """
     found: set = set()
-    _collect_devices(data, found)
-    if not found:
-        raise ValueError(
-            f"get_data_device: data holds no tensor (got {type(data).__name__}); "
-            "pass a tensor or containers that hold tensors"
-        )
+    _collect_devices(data, found, "data")
     if len(found) > 1:
         names = ", ".join(sorted(str(d) for d in found))
         raise ValueError(
@@ -179,7 +190,8 @@ def cast_data_device(data: Any, device: Union[torch.device, str], out: Any = Non
         A structure like ``data`` whose tensors live on ``device``.
 
     Raises:
-        TypeError: ``out`` does not have the structure of ``data``.
+        TypeError: ``out`` does not have the type of ``data``, or is a set.
+        ValueError: ``out`` has other keys or another length than ``data``.
 
     Examples:
         >>> import torch
@@ -202,14 +214,14 @@ def cast_data_device(data: Any, device: Union[torch.device, str], out: Any = Non
         return moved
     if isinstance(data, Mapping):
         if out is not None and set(out.keys()) != set(data.keys()):
-            raise TypeError("cast_data_device: out must have the same keys as data")
+            raise ValueError("cast_data_device: out must have the same keys as data")
         values = {
             k: cast_data_device(v, device, None if out is None else out[k]) for k, v in data.items()
         }
         return _rebuild_mapping(data, values)
     if isinstance(data, (list, tuple)):
         if out is not None and len(out) != len(data):
-            raise TypeError(f"cast_data_device: out has {len(out)} items but data has {len(data)}")
+            raise ValueError(f"cast_data_device: out has {len(out)} items but data has {len(data)}")
         items = [
             cast_data_device(v, device, None if out is None else out[i]) for i, v in enumerate(data)
         ]
@@ -219,6 +231,8 @@ def cast_data_device(data: Any, device: Union[torch.device, str], out: Any = Non
             return type(data)(items)
         return _rebuild_sequence(data, items)
     if isinstance(data, (set, frozenset)):
+        if out is not None:  # a set has no places to fill: nothing pairs its items
+            raise TypeError("cast_data_device: out cannot be a set (its items have no order)")
         return type(data)(cast_data_device(v, device) for v in data)
     return data
 

@@ -24,6 +24,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from distkit import _registry
 from distkit._compat import ProcessGroup, backend_config, backend_name, group_timeout
+from distkit._compat import destroy as destroy_groups
 
 _Key = tuple[tuple[int, ...], str, Optional[float]]
 
@@ -193,14 +194,18 @@ def clear_group_cache(destroy: bool = False) -> None:
         destroy: Also destroy the cached groups in torch (not the default group).
     """
     global _owner
-    pgs = [pg for pg in _groups.values() if isinstance(pg, ProcessGroup)]
+    world = _registry.current._default_pg
+    doomed = [
+        pg
+        for pg in _groups.values()
+        if destroy and world is not None and isinstance(pg, ProcessGroup) and pg is not world
+    ]
     _groups.clear()
     _cpu_twins.clear()
     _owner = None
-    if destroy and _registry.current._default_pg is not None:
-        for pg in pgs:
-            if pg is not _registry.current._default_pg:
-                td.destroy_process_group(pg)
+    del world
+    if doomed:
+        destroy_groups(doomed)  # empties the list: the last references go inside
 
 
 # Drop distkit's references before the interpreter finalizes, even when the user tore
