@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import torch
+from config import Config, OverrideAction, load
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -15,19 +16,12 @@ import distkit.dist as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_config(path: str, options: Any) -> Any:
-    """An mmengine Config from ``path`` (``_base_`` inheritance), with ``--cfg-options``."""
-    from mmengine import Config
-
-    cfg = Config.fromfile(path)
-    if options:
-        cfg.merge_from_dict(options)
-    return cfg
+def load_config(path: str, options: Any) -> Config:
+    """The mmengine-style config at ``path`` (``_base_`` inheritance), with overrides."""
+    return load(path, options)
 
 
 def config_parser(description: str, default_config: str) -> argparse.ArgumentParser:
-    from mmengine.config import DictAction
-
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "config",
@@ -38,7 +32,7 @@ def config_parser(description: str, default_config: str) -> argparse.ArgumentPar
     parser.add_argument(
         "--cfg-options",
         nargs="+",
-        action=DictAction,
+        action=OverrideAction,
         default={},
         help="override config entries: key=value, e.g. train.epochs=3",
     )

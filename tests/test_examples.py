@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from conftest import ROOT
 from helpers_subprocess import run, torchrun
 
@@ -38,3 +39,30 @@ def test_collectives_tour_single_process_and_four_ranks():
     assert (
         "all_to_all (uneven): [tensor([5]), tensor([17, 18]), tensor([24]), tensor([36])]" in four
     )
+
+
+@pytest.mark.parametrize("name", ["classification.py", "eval.py"])
+def test_config_loader_reads_the_configs_as_mmengine_does(name):
+    mmengine = pytest.importorskip("mmengine")
+    from config import OverrideAction, load  # examples/config.py
+
+    path = str(ROOT / "configs" / name)
+    overrides = {"train.epochs": 3, "model": {"hidden": 8}, "dist_cfg.backend": "gloo"}
+    ours = load(path, overrides)
+    theirs = mmengine.Config.fromfile(path)
+    theirs.merge_from_dict(overrides)
+    assert ours.to_dict() == theirs.to_dict()
+    assert ours.train.epochs == 3 and ours.filename == path
+    # the command line gives the same overrides through both argparse actions
+    import argparse
+
+    from mmengine.config import DictAction
+
+    argv = ["--cfg-options", "train.epochs=2", "train.lr=0.5", "data.noise=None"]
+    for action in (OverrideAction, DictAction):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--cfg-options", nargs="+", action=action, default={})
+        parsed = parser.parse_args(argv).cfg_options
+        assert parsed == {"train.epochs": 2, "train.lr": 0.5, "data.noise": None}
+    with pytest.raises(KeyError, match=r"did you mean 'train\.epochs'"):
+        load(path, {"train.epoch": 3})  # mmengine would add the typo silently
