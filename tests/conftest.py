@@ -43,21 +43,23 @@ _COLLECTIVES = (
 
 
 @contextlib.contextmanager
-def collective_calls():
+def collective_calls(mark_async: bool = False):
     """Record every torch collective distkit makes inside the block, by name, in order.
 
+    With ``mark_async``, a collective started with ``async_op=True`` is recorded with a
+    trailing ``~``: collectives started together (``a~``, ``b~``) make one round.
     Works in any process (a rank of the pool too): it patches ``torch.distributed`` and
     the single-tensor names distkit's backends bound at import, and puts them back.
     """
     import torch.distributed as td
 
-    from distkit.dist import _torch, _torch_objects
+    from distkit.dist import _torch, _torch_objects, _uneven
 
     calls: list[str] = []
 
     def counted(name, fn):
         def call(*args, **kwargs):
-            calls.append(name)
+            calls.append(name + ("~" if mark_async and kwargs.get("async_op") else ""))
             return fn(*args, **kwargs)
 
         return call
@@ -65,7 +67,7 @@ def collective_calls():
     with pytest.MonkeyPatch.context() as mp:
         for name in _COLLECTIVES:
             mp.setattr(td, name, counted(name, getattr(td, name)))
-        for module in (_torch, _torch_objects):
+        for module in (_torch, _torch_objects, _uneven):
             for name in ("all_gather_single", "reduce_scatter_single"):
                 if hasattr(module, name):
                     mp.setattr(module, name, counted(name, getattr(module, name)))

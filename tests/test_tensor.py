@@ -8,6 +8,7 @@ from conftest import WORLDS, collective_calls, world
 
 import distkit.dist as dist
 from distkit.testing import ranks
+from distkit.utils import get_group
 
 
 @ranks(*WORLDS)
@@ -310,7 +311,7 @@ def test_same_shape_skips_the_shape_round():
     assert calls == ([] if size == 0 or not dist.is_distributed() else ["all_gather_single"])
     with collective_calls() as calls:
         dist.all_gather(t)
-    if dist.is_distributed():  # without the promise: a shape round, then the data
+    if dist.is_distributed():  # without the promise: the shapes go too
         assert calls == ["all_gather_single", "all_gather_single"], calls
     big = torch.full((70_000,), rank, dtype=torch.int32)  # the broadcast path
     with collective_calls() as calls:
@@ -331,7 +332,7 @@ def test_same_shape_skips_the_shape_round():
         assert calls == ["all_to_all_single"], calls
     with collective_calls() as calls:
         dist.all_to_all([torch.tensor([rank * 10 + d]) for d in range(size)])
-    if dist.is_distributed():
+    if dist.is_distributed():  # without the promise: the shapes go too
         assert calls == ["all_to_all_single", "all_to_all_single"], calls
     if size > 1:
         with pytest.raises(ValueError, match="data mixes shapes"):
@@ -374,3 +375,52 @@ def test_reduce_scatter_every_op():
     expected = {"band": 0 if size > 1 else 1, "bor": (1 << size) - 1, "bxor": (1 << size) - 1}
     for op, value in expected.items():
         assert dist.reduce_scatter(bits, op=op).tolist() == [value, value], op
+
+
+def _uneven_rows(rank: int, size: int, extra: int) -> list[torch.Tensor]:
+    return [torch.full((rank + d + 1 + extra, 2), rank * 10 + d) for d in range(size)]
+
+
+@ranks(2, 3)
+def test_uneven_shapes_travel_beside_the_data_after_the_first_call():
+    rank, size = world()
+    group = get_group(range(size), timeout=29)  # a fresh group: no history yet
+
+    def check_gather(extra: int):
+        mine = torch.arange((rank + 1 + extra) * 3).view(-1, 3) + rank
+        out = dist.all_gather(mine, group=group)
+        for r, t in enumerate(out):
+            assert torch.equal(t, torch.arange((r + 1 + extra) * 3).view(-1, 3) + r)
+
+    def check_a2a(extra: int):
+        out = dist.all_to_all(_uneven_rows(rank, size, extra), group=group)
+        for s, t in enumerate(out):
+            assert t.shape == (s + rank + 1 + extra, 2) and bool((t == s * 10 + rank).all())
+
+    for check, name in ((check_gather, "all_gather_single"), (check_a2a, "all_to_all_single")):
+        # 1st call: nothing to predict from: the shapes, then the data (two rounds)
+        with collective_calls(mark_async=True) as first:
+            check(0)
+        assert first == [f"{name}~", name], first
+        # same sizes again: shapes and data together (one round)
+        with collective_calls(mark_async=True) as again:
+            check(0)
+        assert again == [f"{name}~", f"{name}~"], again
+        # smaller: still one round (padded); larger: the rest follows in a second round
+        with collective_calls(mark_async=True) as smaller:
+            check(-1 if check is check_a2a else 0)
+        assert smaller == [f"{name}~", f"{name}~"], smaller
+        with collective_calls(mark_async=True) as larger:
+            check(5)
+        assert larger == [f"{name}~", f"{name}~", name], larger
+
+
+@ranks(2, 3)
+def test_all_to_all_single_infers_output_splits_beside_the_data():
+    rank, size = world()
+    splits = [d + rank + 1 for d in range(size)]
+    data = torch.cat([torch.full((n, 2), rank * 100 + d) for d, n in enumerate(splits)])
+    for _ in range(3):
+        out = dist.all_to_all_single(data, input_split_sizes=splits)
+        expected = torch.cat([torch.full((rank + s + 1, 2), s * 100 + rank) for s in range(size)])
+        assert torch.equal(out, expected)

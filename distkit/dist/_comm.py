@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
 
@@ -43,7 +44,18 @@ GroupLike = Union[None, ProcessGroup, Sequence[int]]
 class _GroupFacts:
     """What distkit learns about a process group once: size, rank, backend, devices."""
 
-    __slots__ = ("backend", "cpu_home", "rank", "ranks", "ref", "seq", "size", "thread", "types")
+    __slots__ = (
+        "backend",
+        "cpu_home",
+        "histories",
+        "rank",
+        "ranks",
+        "ref",
+        "seq",
+        "size",
+        "thread",
+        "types",
+    )
 
     def __init__(self, pg: ProcessGroup) -> None:
         self.ref = weakref.ref(pg, _forget)
@@ -56,6 +68,7 @@ class _GroupFacts:
         self.ranks: Optional[list[int]] = None
         self.seq = 0  # collectives this process entered on the group (hang reports)
         self.thread: Optional[threading.Thread] = None  # the thread in a collective on it
+        self.histories: dict[str, deque[list[int]]] = {}  # sizes of recent calls (_uneven)
 
 
 # Keyed by id and holding the group only weakly: distkit never keeps a process group
@@ -138,6 +151,14 @@ class Comm:
         facts.thread = me
         facts.seq += 1
         return facts.seq
+
+    def history(self, kind: str, length: int) -> deque[list[int]]:
+        """The sizes the last ``length`` calls of ``kind`` on this group moved."""
+        assert self._facts is not None, "a world of one rank keeps no history"
+        past = self._facts.histories.get(kind)
+        if past is None:
+            past = self._facts.histories[kind] = deque(maxlen=length)
+        return past
 
     def leave(self) -> None:
         """Note that this thread left its collective on the group."""

@@ -20,7 +20,7 @@ import torch.distributed as td
 from torch import Tensor
 
 from distkit._compat import all_gather_single, reduce_scatter_single
-from distkit.dist import _args
+from distkit.dist import _args, _uneven
 from distkit.dist._args import fail
 from distkit.dist._backend import Result
 from distkit.dist._ops import mean_of
@@ -194,16 +194,34 @@ def _gather_shapes(comm: Comm, data: Tensor, same_shape: bool, fn: str) -> list[
     then every rank must send one dtype)."""
     if same_shape:
         return [tuple(data.shape)] * comm.size
-    dev = comm.device(data)
-    rows = _all_gather_rows(comm, _header(data), dev)
+    rows = _all_gather_rows(comm, _header(data), comm.device(data))
+    return [shape for _, shape in _metas(comm, rows, data, fn)]
+
+
+def _metas(
+    comm: Comm, rows: list[list[int]], data: Tensor, fn: str
+) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """``(dtype, shape)`` of every rank's header row (all-gathered): shapes longer than
+    the rows hold follow in one more small all_gather, and every rank must send one dtype.
+    """
     longest = max(row[1] for row in rows)
     full: list[Optional[list[int]]] = [None] * comm.size
     if longest > INLINE_DIMS:  # some rank has an over-long shape: send all shapes whole
         padded = list(data.shape) + [0] * (longest - data.dim())
-        full = list(_all_gather_rows(comm, padded, dev))
+        full = list(_all_gather_rows(comm, padded, comm.device(data)))
     metas = [_parse(row, f) for row, f in zip(rows, full)]
     _same_dtype(fn, comm, [m[0] for m in metas])
-    return [s for _, s in metas]
+    return metas
+
+
+def _bytes(t: Tensor) -> Tensor:
+    """The bytes of a contiguous tensor, as a 1-D uint8 view."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _as(part: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    """Bytes received (1-D uint8) as a tensor of ``dtype`` and ``shape``."""
+    return part.view(dtype).view(shape)
 
 
 def _send_failure(error: Exception, src_global: int, dev: torch.device, comm: Comm) -> None:
@@ -244,11 +262,24 @@ class TorchBackend(TorchObjects):
     def all_gather(
         self, comm: Comm, data: Tensor, async_op: bool, same_shape: bool
     ) -> Result[list[Tensor]]:
-        # gloo rejects uneven all_gather (pytorch#23299): exchange shapes, then either
-        # broadcast each rank's exact bytes (large, CPU) or pad to the largest and trim.
-        shapes = _gather_shapes(comm, data, same_shape, "all_gather")
         buf, _ = _stage(comm, data)
-        dev, size, rank = buf.device, comm.size, comm.rank
+        size, rank = comm.size, comm.rank
+        if not same_shape:
+            # gloo rejects uneven all_gather (pytorch#23299): the shapes travel beside the
+            # bytes, at sizes predicted from the last calls (see _uneven)
+            works, gathered = _uneven.all_gather(comm, _bytes(buf), _header(buf))
+
+            def finish_uneven() -> list[Tensor]:
+                parts, rows = gathered()
+                metas = _metas(comm, rows, buf, "all_gather")
+                return [
+                    data if r == rank else _to(_as(parts[r], *metas[r]), data.device)
+                    for r in range(size)
+                ]
+
+            return _complete(works, finish_uneven, async_op)
+        shapes = [tuple(data.shape)] * size
+        dev = buf.device
         numels = [_numel(s) for s in shapes]
         biggest = max(numels) * buf.element_size()
 
@@ -393,17 +424,24 @@ class TorchBackend(TorchObjects):
     ) -> Result[list[Tensor]]:
         # gloo rejects uneven all_to_all lists, and its list all_to_all is 10-25% slower
         # than all_to_all_single even for equal shapes (measured on this project's
-        # machine): send the shapes first (one small all_to_all, skipped with same_shape),
-        # then everything as one flat buffer with per-rank split sizes.
+        # machine): everything goes as one flat buffer with per-rank split sizes; uneven
+        # shapes travel beside the bytes, at sizes predicted from the last calls
         fn, size, rank = "all_to_all", comm.size, comm.rank
         staged = [_stage(comm, t)[0] for t in data]
         dev, home = staged[0].device, data[0].device
-        if same_shape:
-            metas = [(staged[0].dtype, tuple(staged[0].shape))] * size
-        else:
-            metas = self._exchange_shapes(comm, staged, dev)
+        if not same_shape:
+            long = any(_is_long(t) for t in staged)
+            rows = [_header(t, long) for t in staged]
+            parts, got = _uneven.all_to_all(comm, [_bytes(t) for t in staged], rows)
+            full = self._long_shapes(comm, staged, got, dev) if any(r[2] for r in got) else None
+            metas = [_parse(row, f) for row, f in zip(got, full or [None] * size)]
             dtypes = [m[0] for m in metas] + [staged[0].dtype]
             _same_dtype(fn, comm, dtypes, what="ranks sent this rank")
+            out = [
+                data[s] if s == rank else _to(_as(parts[s], *metas[s]), home) for s in range(size)
+            ]
+            return _complete([], lambda: out, async_op)
+        metas = [(staged[0].dtype, tuple(staged[0].shape))] * size
         in_numels = [t.numel() for t in staged]
         out_numels = [_numel(s) for _, s in metas]
         send = torch.cat([t.reshape(-1) for t in staged]) if size > 1 else staged[0].reshape(-1)
@@ -421,31 +459,21 @@ class TorchBackend(TorchObjects):
         return _complete(_works(work), finish, async_op)
 
     @staticmethod
-    def _exchange_shapes(
-        comm: Comm, staged: list[Tensor], dev: torch.device
-    ) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-        """What every rank sends to this one: ``(dtype, shape)`` per source rank.
+    def _long_shapes(
+        comm: Comm, staged: list[Tensor], rows: list[list[int]], dev: torch.device
+    ) -> list[Optional[list[int]]]:
+        """The whole shapes of over-long tensors sent here, in one small all_to_all.
 
-        One all_to_all of shape rows; a second only if some rank sends an over-long
-        shape, which every rank learns from the flag in each row it receives.
+        Every rank takes this round when some rank's header rows carry the "long" flag,
+        which every rank sees in the row it received from that rank.
         """
-        long = any(_is_long(t) for t in staged)
-        headers = torch.tensor([_header(t, long) for t in staged], dtype=torch.int64, device=dev)
-        incoming = torch.empty_like(headers)
-        td.all_to_all_single(incoming, headers, group=comm.pg)
-        rows = incoming.tolist()
-        full: list[Optional[list[int]]] = [None] * comm.size
-        if any(row[2] for row in rows):
-            out_sizes = [row[1] if row[1] > INLINE_DIMS else 0 for row in rows]
-            sends = [torch.tensor(t.shape, dtype=torch.int64) for t in staged if _is_long(t)]
-            send = (
-                torch.cat(sends).to(dev) if sends else torch.empty(0, dtype=torch.int64, device=dev)
-            )
-            in_sizes = [t.dim() if _is_long(t) else 0 for t in staged]
-            recv = torch.empty(sum(out_sizes), dtype=torch.int64, device=dev)
-            td.all_to_all_single(recv, send, out_sizes, in_sizes, group=comm.pg)
-            full = [part.tolist() for part in recv.split(out_sizes)]
-        return [_parse(row, f) for row, f in zip(rows, full)]
+        out_sizes = [row[1] if row[1] > INLINE_DIMS else 0 for row in rows]
+        sends = [torch.tensor(t.shape, dtype=torch.int64) for t in staged if _is_long(t)]
+        send = torch.cat(sends).to(dev) if sends else torch.empty(0, dtype=torch.int64, device=dev)
+        in_sizes = [t.dim() if _is_long(t) else 0 for t in staged]
+        recv = torch.empty(sum(out_sizes), dtype=torch.int64, device=dev)
+        td.all_to_all_single(recv, send, out_sizes, in_sizes, group=comm.pg)
+        return [part.tolist() for part in recv.split(out_sizes)]
 
     @watched
     def all_to_all_single(
@@ -458,14 +486,15 @@ class TorchBackend(TorchObjects):
     ) -> Result[Tensor]:
         buf, _ = _stage(comm, data)
         rows = buf.shape[0] if buf.dim() else 0
+        if output_split_sizes is None and input_split_sizes is not None:
+            # the row counts travel beside the rows, at sizes predicted from the last calls
+            pieces = [_bytes(p) for p in buf.split(input_split_sizes)]
+            parts, _ = _uneven.all_to_all(comm, pieces, [[]] * comm.size, "all_to_all_single")
+            row_shape = tuple(buf.shape[1:])
+            out = torch.cat([_as(p, buf.dtype, (-1, *row_shape)) for p in parts])
+            return _complete([], lambda: _to(out, data.device), async_op)
         if output_split_sizes is None:
-            if input_split_sizes is None:
-                output_split_sizes = [rows // comm.size] * comm.size
-            else:
-                sizes = torch.tensor(input_split_sizes, dtype=torch.int64, device=buf.device)
-                received = torch.empty_like(sizes)
-                td.all_to_all_single(received, sizes, group=comm.pg)
-                output_split_sizes = received.tolist()
+            output_split_sizes = [rows // comm.size] * comm.size
         out = torch.empty(
             (sum(output_split_sizes), *buf.shape[1:]), dtype=buf.dtype, device=buf.device
         )

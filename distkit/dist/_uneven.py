@@ -1,0 +1,218 @@
+"""Uneven collectives in one round: shapes travel beside the data, at predicted sizes.
+
+To gather or exchange tensors whose sizes the receivers do not know (``all_gather`` of
+different shapes, ``all_to_all``), the ranks must learn each other's sizes. Exchanging them
+first costs a whole round trip: at 1 MiB per rank that was half the time of an
+``all_to_all`` on gloo. Instead, every rank sends a small header with the true sizes *in
+the same round* as its data, and the data goes at a *capacity* predicted from what the
+group moved in its last few calls of that kind: data larger than its capacity is cut,
+smaller data is padded. Every rank knows those past sizes (it received them), so all agree
+on the capacities without a word. When some data was larger than its capacity, every rank
+learns it from the headers and the rest follows in a second round; the first call on a
+group has no history, so it takes two rounds, as an explicit size exchange would.
+
+Training loops repeat their shapes, or vary them around a level (MoE token dispatch): the
+capacity of each peer (or pair of peers) is the largest size of the last :data:`HISTORY`
+calls, so a loop that alternates two kinds of calls (dispatch and combine) keeps a
+capacity that fits both. Padding costs bandwidth, so a capacity is only used where the
+recent sizes were steady (within :data:`STEADY` of each other) or small enough that
+padding is cheaper than a round trip (:data:`SMALL`); elsewhere (a small call after a
+large one, say) that peer's data goes in the second round, exactly as it did before.
+
+History is kept per process group and per kind of call, never per call site: ranks
+calling the same collectives in the same order (which they must) always hold the same
+history, whatever their code looks like.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as td
+from torch import Tensor
+
+from distkit._compat import all_gather_single
+
+if TYPE_CHECKING:
+    from distkit.dist._comm import Comm
+
+#: Calls of one kind on one group whose sizes set the next call's capacities.
+HISTORY = 4
+#: Capacities are multiples of this many bytes, so any dtype can be viewed in place.
+ALIGN = 16
+#: A capacity is used when the largest recent size is at most this factor of the smallest
+#: (so at most this much padding is sent), ...
+STEADY = 1.25
+#: ... or when it is at most this many bytes (padding them costs less than a round trip).
+SMALL = 64 * 1024
+#: Above this size a CPU all_gather moves each rank's bytes by one broadcast (see
+#: BROADCAST_GATHER_BYTES in _torch.py for the measurement); below, one padded all_gather.
+BROADCAST_BYTES = 256 * 1024
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def history(comm: Comm, kind: str) -> deque[list[int]]:
+    """The sizes the last calls of ``kind`` on ``comm``'s group moved (per peer, bytes)."""
+    return comm.history(kind, HISTORY)
+
+
+def capacities(past: deque[list[int]], n: int) -> list[int]:
+    """Per peer, the bytes to send in the first round (see the module docstring).
+
+    The largest size of the recent calls, aligned, where those were steady or small; 0
+    (everything in the second round) with no history or unsteady sizes. A pure function
+    of the history, which both ends of every pair hold alike.
+    """
+    if not past:
+        return [0] * n
+    caps = []
+    for k in range(n):
+        sizes = [call[k] for call in past]
+        top = _round_up(max(sizes))
+        caps.append(top if top <= SMALL or top <= STEADY * min(sizes) else 0)
+    return caps
+
+
+def _fit(data: Tensor, cap: int) -> Tensor:
+    """``data`` (1-D uint8) cut or zero-padded to ``cap`` bytes; itself when it fits."""
+    n = data.numel()
+    if n == cap:
+        return data
+    if n > cap:
+        return data[:cap]
+    out = torch.zeros(cap, dtype=torch.uint8, device=data.device)
+    out[:n] = data
+    return out
+
+
+def _join(first: Tensor, rest: Tensor, total: int) -> Tensor:
+    """The ``total`` bytes of a peer: its first-round part, then its second-round part."""
+    if rest.numel() == 0:
+        return first[:total]
+    return torch.cat([first[: total - rest.numel()], rest])
+
+
+Finish = Callable[[], tuple[list[Tensor], list[list[int]]]]
+
+
+def all_gather(
+    comm: Comm, mine: Tensor, row: list[int], async_op: bool = False
+) -> tuple[list[Any], Finish]:
+    """Gather every rank's bytes and header row: ``(works, finish)``.
+
+    ``mine`` is this rank's data as a 1-D uint8 tensor; ``row`` its header (ints, the
+    same length on every rank). ``finish()``, once ``works`` are done, returns every rank's
+    bytes (exactly as many as it sent; this rank's entry is ``mine``) and header row.
+    """
+    size, rank = comm.size, comm.rank
+    past = history(comm, "all_gather")
+    caps = capacities(past, size)
+    dev = mine.device
+    header = torch.tensor([mine.numel(), *row], dtype=torch.int64, device=dev)
+    rows_out = torch.empty(size * header.numel(), dtype=torch.int64, device=dev)
+    works = [all_gather_single(rows_out, header, group=comm.pg, async_op=True)]
+    widest = max(caps)
+    firsts: list[Tensor]
+    if widest and dev.type == "cpu" and widest >= BROADCAST_BYTES:
+        firsts = [
+            _fit(mine, caps[r]) if r == rank else torch.empty(caps[r], dtype=torch.uint8)
+            for r in range(size)
+        ]
+        works += [
+            td.broadcast(firsts[r], comm.global_rank(r), group=comm.pg, async_op=True)
+            for r in range(size)
+            if caps[r]
+        ]
+    elif widest:
+        gathered = torch.empty(size * widest, dtype=torch.uint8, device=dev)
+        works.append(all_gather_single(gathered, _fit(mine, widest), group=comm.pg, async_op=True))
+        firsts = [gathered[r * widest : (r + 1) * widest] for r in range(size)]
+    else:  # no history: the sizes first, then the data
+        firsts = [mine[:0]] * size
+
+    def finish() -> tuple[list[Tensor], list[list[int]]]:
+        flat = rows_out.tolist()
+        n = header.numel()
+        rows = [flat[r * n : (r + 1) * n] for r in range(size)]
+        sizes = [row[0] for row in rows]
+        over = {r: sizes[r] - caps[r] for r in range(size) if sizes[r] > caps[r]}
+        rests: dict[int, Tensor] = {}
+        if over:  # every rank saw the same headers: all take this second round
+            longest = max(over.values())
+            if dev.type == "cpu" and longest >= BROADCAST_BYTES:
+                bufs = {
+                    r: mine[caps[r] :] if r == rank else torch.empty(k, dtype=torch.uint8)
+                    for r, k in over.items()
+                }
+                waits = [
+                    td.broadcast(b, comm.global_rank(r), group=comm.pg, async_op=True)
+                    for r, b in bufs.items()
+                ]
+                for w in waits:
+                    w.wait()
+                rests = bufs
+            else:
+                send = _fit(mine[caps[rank] :], longest)
+                out = torch.empty(size * longest, dtype=torch.uint8, device=dev)
+                all_gather_single(out, send, group=comm.pg)
+                rests = {r: out[r * longest : r * longest + k] for r, k in over.items()}
+        past.append(sizes)
+        parts = [
+            mine if r == rank else _join(firsts[r], rests.get(r, mine[:0]), sizes[r])
+            for r in range(size)
+        ]
+        return parts, [row[1:] for row in rows]
+
+    return works, finish
+
+
+def all_to_all(
+    comm: Comm, chunks: list[Tensor], rows: list[list[int]], kind: str = "all_to_all"
+) -> tuple[list[Tensor], list[list[int]]]:
+    """Send ``chunks[d]`` (1-D uint8) and header ``rows[d]`` to rank ``d``.
+
+    Returns what each rank sent here: its bytes (exactly as many as it sent) and its
+    header row. This rank's own chunk comes back as it was passed.
+    """
+    size, rank = comm.size, comm.rank
+    dev = chunks[0].device
+    past = history(comm, kind)  # per call: [sent to d..., received from s...]
+    caps = capacities(past, 2 * size)
+    send_caps, recv_caps = caps[:size], caps[size:]
+    sent = [c.numel() for c in chunks]
+    overflow = any(n > cap for n, cap in zip(sent, send_caps))
+    headers = torch.tensor(
+        [[n, int(overflow), *row] for n, row in zip(sent, rows)], dtype=torch.int64, device=dev
+    )
+    incoming = torch.empty_like(headers)
+    works = [td.all_to_all_single(incoming, headers, group=comm.pg, async_op=True)]
+    first = torch.empty(sum(recv_caps), dtype=torch.uint8, device=dev)
+    if sum(send_caps) or sum(recv_caps):
+        send = torch.cat([_fit(c, cap) for c, cap in zip(chunks, send_caps)])
+        works.append(
+            td.all_to_all_single(first, send, recv_caps, send_caps, group=comm.pg, async_op=True)
+        )
+    for w in works:
+        w.wait()
+    got = incoming.tolist()
+    received = [row[0] for row in got]
+    firsts = list(first.split(recv_caps))
+    rests: list[Tensor] = [first[:0]] * size
+    if any(row[1] for row in got):  # some rank sent more than its capacity somewhere
+        out_rest = [max(0, n - cap) for n, cap in zip(received, recv_caps)]
+        in_rest = [max(0, n - cap) for n, cap in zip(sent, send_caps)]
+        tails = [c[cap:] for c, cap in zip(chunks, send_caps)]
+        send_rest = torch.cat(tails) if sum(in_rest) else first[:0]
+        rest = torch.empty(sum(out_rest), dtype=torch.uint8, device=dev)
+        td.all_to_all_single(rest, send_rest, out_rest, in_rest, group=comm.pg)
+        rests = list(rest.split(out_rest))
+    past.append(sent + received)
+    parts = [
+        chunks[rank] if s == rank else _join(firsts[s], rests[s], received[s]) for s in range(size)
+    ]
+    return parts, [row[2:] for row in got]
