@@ -24,7 +24,8 @@ _DEFAULTS: dict[str, Any] = {
     # seconds a timed-out rank waits for the others to post where they are
     "hang_grace": 5.0,
 }
-_values: dict[str, Any] = {}
+#: The settings changed in this process (the rest have their defaults).
+values: dict[str, Any] = {}
 
 
 def default(name: str) -> Any:
@@ -33,18 +34,18 @@ def default(name: str) -> Any:
 
 
 def get(name: str) -> Any:
-    return _values.get(name, _DEFAULTS[name])
+    return values.get(name, _DEFAULTS[name])
 
 
 def set(name: str, value: Any) -> None:
     if name not in _DEFAULTS:
         raise KeyError(f"unknown distkit setting {name!r}")
-    _values[name] = value
+    values[name] = value
 
 
 def changed() -> list[str]:
-    return sorted(k for k, v in _values.items() if v != _DEFAULTS[k])
+    return sorted(k for k, v in values.items() if v != _DEFAULTS[k])
 
 
 def reset() -> None:
-    _values.clear()
+    values.clear()

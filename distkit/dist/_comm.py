@@ -67,7 +67,7 @@ class _GroupFacts:
         self.cpu_home: bool = self.types[0] == "cpu"
         self.ranks: Optional[list[int]] = None
         self.seq = 0  # collectives this process entered on the group (hang reports)
-        self.thread: Optional[threading.Thread] = None  # the thread in a collective on it
+        self.thread = 0  # ident of the thread in a collective on it (0: none)
         self.histories: dict[str, deque[list[int]]] = {}  # sizes of recent calls (_uneven)
 
 
@@ -91,6 +91,13 @@ def _facts(pg: ProcessGroup) -> _GroupFacts:
     if facts is None or facts.ref() is not pg:
         facts = _FACTS[id(pg)] = _GroupFacts(pg)
     return facts
+
+
+def _alive_thread(ident: int) -> Optional[threading.Thread]:
+    for thread in threading.enumerate():
+        if thread.ident == ident:
+            return thread
+    return None
 
 
 class Comm:
@@ -136,14 +143,15 @@ class Comm:
         facts = self._facts
         if facts is None:
             return 0
-        me = threading.current_thread()
+        me = threading.get_ident()
         busy = facts.thread
-        if busy is not None and busy is not me and busy.is_alive():
+        other = _alive_thread(busy) if busy and busy != me else None
+        if other is not None:
             fail(
                 RuntimeError,
                 fn,
                 self,
-                f"thread {busy.name!r} is in a collective on this group already, and a "
+                f"thread {other.name!r} is in a collective on this group already, and a "
                 "process group serves one thread at a time",
                 "Run the collectives of one group from one thread, or give each thread a "
                 "group of its own (distkit.utils.get_group(ranks, timeout=...) makes one)",
@@ -163,7 +171,7 @@ class Comm:
     def leave(self) -> None:
         """Note that this thread left its collective on the group."""
         if self._facts is not None:
-            self._facts.thread = None
+            self._facts.thread = 0
 
     def global_ranks(self) -> list[int]:
         """Global rank of each group rank."""

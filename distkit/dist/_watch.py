@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 _local = threading.local()
+_DEBUG_DEFAULT = _settings.default("debug")
 
 
 def _on_error(
@@ -41,18 +42,19 @@ def watched(method: F) -> F:
     """Wrap a backend method ``method(self, comm, *args)`` with the checks above."""
     name = method.__name__
     params = list(inspect.signature(method).parameters)[2:]  # after self and comm
+    call_at = params.index("call") if "call" in params else -1  # object calls: public name
+    settings = _settings.values  # read directly: this runs on every collective
 
     @functools.wraps(method)
     def run(self: Any, comm: Comm, *args: Any) -> Any:
         if getattr(_local, "depth", 0):  # inside another collective: checked there
             return method(self, comm, *args)
-        named = dict(zip(params, args))
-        public = named["call"].fn if "call" in named else name
+        public = args[call_at].fn if call_at >= 0 else name
         seq = comm.enter(public)
         _local.depth = 1
         try:
-            if _settings.get("debug"):
-                _, fields, must = debug.signature(name, named)
+            if settings.get("debug", _DEBUG_DEFAULT):
+                _, fields, must = debug.signature(name, dict(zip(params, args)))
                 debug.check(comm, public, fields, must, seq)
             result = method(self, comm, *args)
             if isinstance(result, Handle):  # async: a timeout surfaces in wait()
