@@ -93,7 +93,7 @@ def _time(
         probe += time.perf_counter() - start
     td.all_reduce(probe, td.ReduceOp.MAX)
     iters = int(min(max_iters, max(min_iters, budget * len(names) / max(probe.item(), 1e-6))))
-    times = {name: [] for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(iters):
         for k in range(len(names)):
             name = names[(i + k) % len(names)]
@@ -185,7 +185,7 @@ def _collect_cases(rank: int, size: int, quick: bool) -> list[tuple]:
 
 def _tensor_cases(rank: int, size: int, quick: bool) -> list[tuple]:
     mm = _mmengine()
-    rows = []
+    rows: list[tuple] = []
     sizes = [1, 4] if quick else [1, 4, 16, 64]
     for mib in sizes:
         n = mib * MiB // 4
@@ -200,7 +200,7 @@ def _tensor_cases(rank: int, size: int, quick: bool) -> list[tuple]:
         }
         # torch allocates its outputs inside the timed call, as distkit (returning new
         # tensors) must: the comparison is of the same work, not of buffer reuse.
-        impls = {
+        impls: dict[str, dict[str, Any]] = {
             "all_reduce": {
                 "distkit": lambda x=x: dist.all_reduce(x),
                 "torch": lambda x=x: td.all_reduce(x),
@@ -341,7 +341,7 @@ def noop_rows(number: int = 200_000) -> list[dict]:
     ]
     env = {"t": torch.ones(4), "small": {"loss": 0.25, "acc": 0.5}}
     # the control is called the way the libraries are, through a module attribute
-    plain = types.ModuleType("plain")
+    plain: Any = types.ModuleType("plain")
     plain.identity = _identity
 
     def per_call(stmt: str, lib: Any) -> float:

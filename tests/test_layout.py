@@ -31,7 +31,8 @@ LAYERS = [
         "distkit.dist._backend",
     },
     # 2: the backends
-    {"distkit.dist._single", "distkit.dist._torch", "distkit.dist._torch_objects"},
+    {"distkit.dist._single", "distkit.dist._torch", "distkit.dist._torch_objects"}
+    | {"distkit.dist._uneven"},
     # 3: the decision point
     {"distkit.dist._comm", "distkit.dist._shortcut"},
     # 4: the public API

@@ -251,7 +251,7 @@ class RankPool:
                 grace_end = time.monotonic() + STOP_GRACE
                 deadline = grace_end if deadline is None else min(deadline, grace_end)
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            ready = wait(list(pending.values()), left)
+            ready: list[Any] = wait(list(pending.values()), left)
             if not ready:
                 break
             # a rank that died is usually why the others failed: read it first
