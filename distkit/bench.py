@@ -502,6 +502,10 @@ def markdown(rows: list[dict], noop: list[dict], world: int = 2) -> str:
     """The same tables as :func:`report`, as Markdown (for the README)."""
     blocks = []
     for _, columns, cells in tables(rows, noop, world):
+        # documentation shows figures and ratios; the goals are the terminal report's
+        keep = [i for i, c in enumerate(columns) if c not in ("target", "met")]
+        columns = [columns[i] for i in keep]
+        cells = [[row[i] for i in keep] for row in cells]
         align = ["---" if c in _LEFT else "---:" for c in columns]
         lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join(align) + " |"]
         lines += ["| " + " | ".join(row) + " |" for row in cells]

@@ -64,6 +64,9 @@ CASES = [
     case("async_op is 1", "all_reduce", TypeError, _t(), async_op=1),
     case("op='avg' is mean", "all_reduce", None, _t(), "avg"),
     case("op in capitals", "all_reduce", None, _t(), "SUM"),
+    case("int16 (gloo has no int16)", "all_reduce", None, torch.ones(2, dtype=torch.int16)),
+    case("uint64 max", "all_reduce", None, torch.ones(2, dtype=torch.uint64), "max"),
+    case("float8 mean", "all_reduce", None, torch.ones(2).to(torch.float8_e5m2), "mean"),
     # all_gather, gather
     case("data is None", "all_gather", TypeError, None),
     case("data is a string", "all_gather", TypeError, "tensor"),

@@ -26,6 +26,7 @@ from torch import Tensor
 from distkit import _registry
 from distkit._compat import ProcessGroup, backend_config, backend_name, c10d, is_registered
 from distkit.dist._args import fail
+from distkit.dist._gloo import GLOO
 from distkit.dist._single import SINGLE
 from distkit.dist._torch import TORCH
 from distkit.utils.device import backend_device_types, device_of_type
@@ -48,6 +49,7 @@ class _GroupFacts:
         "backend",
         "cpu_home",
         "histories",
+        "impl",
         "rank",
         "ranks",
         "ref",
@@ -65,6 +67,8 @@ class _GroupFacts:
         self.types: list[str] = backend_device_types(backend_config(pg))
         # gloo-like groups stage CPU tensors on the CPU: the common case, checked first
         self.cpu_home: bool = self.types[0] == "cpu"
+        # gloo cannot carry some dtypes: its backend carries them in others (see _gloo)
+        self.impl: Backend = GLOO if "gloo" in self.backend else TORCH
         self.ranks: Optional[list[int]] = None
         self.seq = 0  # collectives this process entered on the group (hang reports)
         self.thread = 0  # ident of the thread in a collective on it (0: none)
@@ -209,7 +213,7 @@ NO_GROUP = Comm(None, 0, 1, SINGLE)
 
 def _comm_of(pg: ProcessGroup) -> Comm:
     facts = _facts(pg)
-    return Comm(pg, facts.rank, facts.size, TORCH, facts)
+    return Comm(pg, facts.rank, facts.size, facts.impl, facts)
 
 
 def resolve(group: Any, fn: str) -> Comm:

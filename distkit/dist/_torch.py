@@ -540,16 +540,19 @@ class TorchBackend(TorchObjects):
             full = shapes.tolist()
         metas = [_parse(row, f) for row, f in zip(rows, full)]
         even = all(m == metas[0] for m in metas)
+        # the data moves as bytes: the headers carry dtypes and shapes, and any dtype
+        # travels (gloo refuses int16, uint16 and wider, float8)
         if rank == src:
             assert data is not None
             if even:
-                out = torch.empty_like(staged[src])
+                out = torch.empty_like(_bytes(staged[src]))
+                send = [_bytes(t) for t in staged]
                 works = _works(
-                    td.scatter(out, staged, src=src_global, group=comm.pg, async_op=async_op)
+                    td.scatter(out, send, src=src_global, group=comm.pg, async_op=async_op)
                 )
             else:
                 works = [
-                    td.isend(staged[r].reshape(-1), comm.global_rank(r), group=comm.pg)
+                    td.isend(_bytes(staged[r]), comm.global_rank(r), group=comm.pg)
                     for r in range(comm.size)
                     if r != rank
                 ]
@@ -558,9 +561,11 @@ class TorchBackend(TorchObjects):
         dtype, shape = metas[rank]
         received = torch.empty(shape, dtype=dtype, device=dev)
         if even:
-            work = td.scatter(received, None, src=src_global, group=comm.pg, async_op=async_op)
+            work = td.scatter(
+                _bytes(received), None, src=src_global, group=comm.pg, async_op=async_op
+            )
         else:
-            work = td.irecv(received.reshape(-1), src_global, group=comm.pg)
+            work = td.irecv(_bytes(received), src_global, group=comm.pg)
         return _complete(_works(work), lambda: received, async_op)
 
     @watched

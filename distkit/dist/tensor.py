@@ -60,7 +60,8 @@ def all_reduce(
         data: Tensor to reduce; its device may differ from the backend's (it is staged
             on the communication device and copied back).
         op: ``sum``, ``mean``, ``max``, ``min``, ``product``, ``band``, ``bor`` or ``bxor``
-            (any case), or a ``torch.distributed.ReduceOp``.
+            (any case; ``avg`` and ``prod``, torch's names, are the same as ``mean`` and
+            ``product``), or a ``torch.distributed.ReduceOp``.
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns ``data``.
 
@@ -330,7 +331,8 @@ def reduce(
         data: This rank's tensor.
         dst: Rank (within ``group``) that receives the reduction.
         op: ``sum``, ``mean``, ``max``, ``min``, ``product``, ``band``, ``bor`` or ``bxor``
-            (any case), or a ``torch.distributed.ReduceOp``.
+            (any case; ``avg`` and ``prod``, torch's names, are the same as ``mean`` and
+            ``product``), or a ``torch.distributed.ReduceOp``.
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns ``data``.
 
@@ -400,7 +402,8 @@ def reduce_scatter(
         data: Either a list of one tensor per rank (all of one shape and dtype), or one
             tensor whose first dimension divides evenly by the group size.
         op: ``sum``, ``mean``, ``max``, ``min``, ``product``, ``band``, ``bor`` or ``bxor``
-            (any case), or a ``torch.distributed.ReduceOp``.
+            (any case; ``avg`` and ``prod``, torch's names, are the same as ``mean`` and
+            ``product``), or a ``torch.distributed.ReduceOp``.
         group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the chunk.
 

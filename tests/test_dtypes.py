@@ -1,0 +1,95 @@
+"""Every dtype a single process accepts works on gloo ranks too.
+
+gloo refuses int16, uint16, uint32, uint64 and the float8 types ("Invalid scalar type");
+distkit carries them as bytes and reduces them in a wider type (``distkit.dist._gloo``).
+Each case computes its expected value in float64 from what every rank passed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import WORLDS, world
+
+import distkit.dist as dist
+from distkit.testing import ranks
+
+NARROW = [torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn]
+
+
+def values(rank: int, n: int = 3) -> torch.Tensor:
+    """What ``rank`` passes: small positive numbers every narrow dtype holds exactly."""
+    return torch.arange(n, dtype=torch.float64) + 1 + rank
+
+
+def same(result: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """``result`` has ``dtype`` and the exact value, rounded once to ``dtype`` (float8)."""
+    assert result.dtype == dtype
+    assert result.to(torch.float64).tolist() == expected.to(dtype).to(torch.float64).tolist()
+
+
+@ranks(*WORLDS)
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+def test_narrow_dtypes_reduce_like_wide_ones(dtype):
+    rank, size = world()
+    everyone = [values(r) for r in range(size)]
+    t = values(rank).to(dtype)
+    assert dist.all_reduce(t) is t
+    same(t, sum(everyone), dtype)
+    same(dist.all_reduce(values(rank).to(dtype), op="max"), everyone[-1], dtype)
+    same(dist.all_reduce(values(rank).to(dtype), async_op=True).wait(), sum(everyone), dtype)
+    if not dtype.is_floating_point:  # integer mean truncates, as for every integer dtype
+        mean = dist.all_reduce(values(rank).to(dtype), op="mean")
+        same(mean, torch.div(sum(everyone), size, rounding_mode="trunc"), dtype)
+    r = dist.reduce(values(rank).to(dtype), dst=size - 1)
+    same(r, sum(everyone) if rank == size - 1 else values(rank), dtype)
+    chunks = dist.reduce_scatter(values(rank, 2 * size).to(dtype))
+    same(chunks, sum(values(q, 2 * size) for q in range(size))[2 * rank : 2 * rank + 2], dtype)
+
+
+@ranks(*WORLDS)
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+def test_narrow_dtypes_move_like_wide_ones(dtype):
+    rank, size = world()
+    t = values(rank).to(dtype)
+    for out in (dist.all_gather(t, same_shape=True), dist.all_gather(t)):
+        assert out[rank] is t
+        for r, part in enumerate(out):
+            same(part, values(r), dtype)
+    uneven = dist.all_gather(values(rank, rank + 1).to(dtype))
+    for r, part in enumerate(uneven):
+        same(part, values(r, r + 1), dtype)
+    gathered = dist.gather(t, dst=0)
+    assert len(gathered) == (size if rank == 0 else 0)
+    for r, part in enumerate(gathered):
+        same(part, values(r), dtype)
+    b = values(rank).to(dtype)
+    assert dist.broadcast(b, src=size - 1) is b
+    same(b, values(size - 1), dtype)
+    scattered = dist.scatter([values(r).to(dtype) for r in range(size)] if rank == 0 else None)
+    same(scattered, values(rank), dtype)
+    received = dist.all_to_all([values(rank + 10 * r).to(dtype) for r in range(size)])
+    for r, part in enumerate(received):
+        same(part, values(r + 10 * rank), dtype)
+    rows = dist.all_to_all_single(values(rank, size).to(dtype))
+    same(rows, torch.tensor([values(r, size)[rank].item() for r in range(size)]), dtype)
+    scalar = dist.all_gather(torch.tensor(rank + 1.0).to(dtype), same_shape=True)
+    assert [p.shape for p in scalar] == [torch.Size([])] * size
+    assert [p.to(torch.float64).item() for p in scalar] == [r + 1.0 for r in range(size)]
+
+
+@ranks(*WORLDS)
+def test_uint64_max_and_min_order_values_above_two_to_the_63():
+    rank, size = world()
+    big = 2**63 + 5
+    mine = [big, 3] if rank == 0 else [7, big + rank]
+    t = torch.tensor(mine, dtype=torch.uint64)
+    everyone = [[big, 3]] + [[7, big + r] for r in range(1, size)]
+    top = dist.all_reduce(t.clone(), op="max")
+    low = dist.all_reduce(t.clone(), op="min")
+    expect_top = [max(v[i] for v in everyone) for i in range(2)]
+    expect_low = [min(v[i] for v in everyone) for i in range(2)]
+    # uint64 -> int64 bits -> Python ints, compared exactly
+    as_int = lambda x: [v % 2**64 for v in x.view(torch.int64).tolist()]  # noqa: E731
+    assert as_int(top) == expect_top
+    assert as_int(low) == expect_low
