@@ -175,7 +175,7 @@ def collect_results(
     results are placed by rank and position alone, which cannot tell a shuffled shard
     from an ordered one: the results come back shuffled and nothing fails. Pass the
     evaluation's ``DistributedSampler`` as ``sampler=`` and its own order puts every
-    result back at its dataset index (``examples/eval_shuffled.py``).
+    result back at its dataset index (``examples/eval.py --shuffle``).
 
     How the dataset was split decides the order; say which:
 
