@@ -317,25 +317,11 @@ def decode(
 # -- sizing ------------------------------------------------------------------------
 
 
-class _Counter:
-    """A file that only counts the bytes written to it."""
-
-    __slots__ = ("n",)
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def write(self, data: Any) -> int:
-        n = data.nbytes if isinstance(data, memoryview) else len(data)
-        self.n += n
-        return n
-
-
 class _Sizer(pickle.Pickler):
     """Pickles like :class:`_Encoder` into a counter: tensor and buffer data are counted,
     never copied."""
 
-    def __init__(self, sink: _Counter) -> None:
+    def __init__(self, sink: io.BytesIO) -> None:
         super().__init__(sink, protocol=5, buffer_callback=self._buffer)
         self.blob_bytes = 0
         self.blobs = 0
@@ -367,15 +353,16 @@ def encoded_sizes(items: Any, name: str, fn: str, comm: Comm) -> list[int]:
     Raises:
         TypeError: An item (named ``name[i]...``) cannot be pickled.
     """
-    sink = _Counter()
+    sink = io.BytesIO()  # holds one item's pickle stream (tensor data never enters it)
     sizer = _Sizer(sink)
     out = []
     for i, item in enumerate(items):
-        sink.n = sizer.blob_bytes = sizer.blobs = 0
+        sizer.blob_bytes = sizer.blobs = 0
+        sink.seek(0)
         try:
             sizer.dump(item)
         except Exception as exc:
             raise _pickling.error(item, f"{name}[{i}]", fn, comm, exc) from None
         sizer.clear_memo()
-        out.append(_align(HEADER_BYTES + 16 * sizer.blobs + sink.n) + sizer.blob_bytes)
+        out.append(_align(HEADER_BYTES + 16 * sizer.blobs + sink.tell()) + sizer.blob_bytes)
     return out
