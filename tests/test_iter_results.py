@@ -14,6 +14,7 @@ from torch.utils.data import DistributedSampler
 
 import distkit.dist as dist
 from distkit.testing import ranks
+from distkit.utils import get_group
 
 
 def streamed(results, size, **kwargs) -> list:
@@ -136,6 +137,60 @@ def test_errors_are_raised_on_every_rank():
     with pytest.raises(ValueError, match="evaluated by no rank"):
         dist.iter_results([rank], size + 1, indices=[rank])
     assert dist.all_gather_object(rank) == list(range(max(size, 1)))
+
+
+class Point:  # a plain class: the safe serializer refuses it unless allowed
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+class BreaksOnSecondPickle:
+    """Pickles once (the sizing pass), then fails (when it is sent)."""
+
+    calls = 0
+
+    def __reduce__(self):
+        BreaksOnSecondPickle.calls += 1
+        if BreaksOnSecondPickle.calls > 1:
+            raise RuntimeError("broke while being sent")
+        return (BreaksOnSecondPickle, ())
+
+
+@ranks(2, 3)
+def test_failures_while_streaming_stop_every_rank():
+    rank, size = world()
+    # dst refuses what a rank sends (safe serializer): dst raises, the others end
+    results = [Point(rank)] * 3
+    if rank == 0:
+        with pytest.raises(dist.UnsafeObjectError, match="rank 1 sent an object"):
+            streamed(results, 3 * size, serializer="safe", chunk_bytes=1)
+    else:
+        assert streamed(results, 3 * size, serializer="safe", chunk_bytes=1) == []
+    # a result that breaks while it is sent: its rank raises its own error, dst a TypeError
+    # naming it, and the rank that was asked at the same time is drained
+    BreaksOnSecondPickle.calls = 0
+    results = [BreaksOnSecondPickle() if rank == 1 else rank]
+    if rank == 0:
+        with pytest.raises(TypeError, match="rank 1 could not send results"):
+            streamed(results, size)
+    elif rank == 1:
+        with pytest.raises(TypeError, match="broke while being sent"):
+            streamed(results, size)
+    else:
+        assert streamed(results, size) == []
+    assert dist.all_gather_object(rank) == list(range(size))
+
+
+@ranks(3)
+def test_a_subgroup_streams_to_its_dst():
+    rank, _ = world()
+    get_group([1, 2])  # creating a group is collective: every rank makes it
+    if rank != 0:
+        results = [f"{rank}:{k}" for k in range(5)]
+        out = streamed(results, 10, group=[1, 2], dst=1, chunk_bytes=100)
+        expected = [f"{1 + k % 2}:{k // 2}" for k in range(10)]
+        assert out == (expected if rank == 2 else [])
+    assert dist.all_gather_object(rank) == [0, 1, 2]
 
 
 def _rss_kib(field: str) -> int:
