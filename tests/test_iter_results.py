@@ -89,8 +89,18 @@ def test_dst_stopping_early_releases_the_other_ranks():
             for i, _item in enumerate(stream):
                 if i == 20:
                     raise KeyError("consumer failed")
-    # a stream closed before it was read; then every rank is in step again
+    # a stream closed before it was read
     dist.iter_results(results, n).close()
+    # a bare loop that breaks off on dst, and a stream dropped unread: once dst lets go
+    # of them the others are told to stop (the streams on the other ranks are drained)
+    for item in dist.iter_results(results, n, chunk_bytes=64):
+        assert item == [0, 0]
+        break
+    if rank == 0:
+        dist.iter_results(results, n)
+    else:
+        assert list(dist.iter_results(results, n)) == []
+    # then every rank is in step again
     assert dist.all_gather_object(rank) == list(range(max(size, 1)))
 
 

@@ -356,9 +356,19 @@ class ResultStream(Iterator[Any]):
     requests until ``dst`` is done.
     """
 
-    def __init__(self, items: Iterator[Any], finish: Any) -> None:
+    def __init__(self, items: Iterator[Any], finish: Any, dropped: Any = None) -> None:
         self._items = items
         self._finish = finish  # closes the protocol: tells the others, or serves to the end
+        self._dropped = dropped  # on dst: tells the others to stop (never blocks for long)
+
+    def __del__(self) -> None:
+        # dst's stream dropped unfinished (a bare ``for ... break``): the others stop.
+        # Nothing may wait here on the other ranks, so they never serve from here.
+        if self._dropped is not None:
+            try:
+                self._dropped()
+            except Exception:  # the world is going away: nothing left to tell
+                pass
 
     def __iter__(self) -> ResultStream:
         return self
@@ -406,9 +416,8 @@ class _Receiver:
         # ranks still waiting for a control message from dst
         self.waiting = [r for r in range(comm.size) if r != comm.rank]
         self.gone: set[int] = set()
-        self.items = self._run()
 
-    def _run(self) -> Generator[Any, None, None]:
+    def run(self) -> Generator[Any, None, None]:
         comm, link, me = self.comm, self.link, self.comm.rank
         pending: dict[int, int] = {}  # rank -> items asked for and not yet received
         try:
@@ -454,8 +463,7 @@ class _Receiver:
             if r not in self.gone:
                 link.done(r)
 
-    def finish(self) -> None:
-        self.items.close()  # runs the generator's finally if it started
+    def stop(self) -> None:
         self._stop({})
 
 
@@ -634,7 +642,14 @@ def _receiver(
     call: ObjectCall,
 ) -> ResultStream:
     receiver = _Receiver(link, comm, results, ranks, positions, cost, budget, call)
-    return ResultStream(receiver.items, receiver.finish)
+    items = receiver.run()  # refers to the receiver, never the other way: no cycle, so
+    # dropping the stream finalizes the generator at once (its finally tells the others)
+
+    def finish() -> None:
+        items.close()  # runs the generator's finally if it started
+        receiver.stop()
+
+    return ResultStream(items, finish, receiver.stop)
 
 
 def collect_results_cpu(
