@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -78,27 +80,65 @@ def loader(dataset: TensorDataset, batch_size: int, shuffle: bool, seed: int) ->
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: TensorDataset, batch_size: int) -> dict | None:
+def evaluate(
+    model: nn.Module,
+    dataset: TensorDataset,
+    batch_size: int,
+    shuffle: bool = False,
+    stream_to: str | None = None,
+) -> dict | None:
     """Evaluate on every rank's shard; the main process gets the exact dataset's metrics.
 
     DistributedSampler pads the shards with repeats when the size does not divide by the
     world size; ``collect_results`` puts the results back in dataset order and drops the
-    padding, so every sample counts once.
+    padding, so every sample counts once. With ``shuffle`` the sampler shuffles the
+    shards: passing it as ``sampler=`` is what puts the results back in dataset order
+    (without it they would come back shuffled). With ``stream_to``, the results stream
+    to the main process through ``iter_results`` (a few MiB at a time, never all at
+    once) and each prediction is written to that file as a JSON line.
     """
     model.eval()
     results = []
-    for x, y, index in loader(dataset, batch_size, shuffle=False, seed=0):
+    batches = loader(dataset, batch_size, shuffle=shuffle, seed=0)
+    for x, y, index in batches:
         pred = model(x).argmax(dim=1)
         results += [(int(i), int(p), int(t)) for i, p, t in zip(index, pred, y)]
     model.train()
-    collected = dist.collect_results(results, len(dataset))
-    if collected is None:
-        return None
-    indices = [r[0] for r in collected]
-    correct = sum(p == t for _, p, t in collected)
+    sampler = batches.sampler if shuffle else None
+    if stream_to is None:
+        collected = dist.collect_results(results, len(dataset), sampler=sampler)
+        if collected is None:
+            return None
+        return metrics(collected, len(dataset))
+    with dist.iter_results(results, len(dataset), sampler=sampler) as stream:
+        if not dist.is_main_process():
+            for _ in stream:  # yields nothing here: it answers the main process
+                pass
+            return None
+        with open(stream_to, "w") as f:
+            return metrics(written(stream, f), len(dataset))
+
+
+def written(results: Iterable[tuple[int, int, int]], f: Any) -> Iterator[tuple[int, int, int]]:
+    """Pass the results through, writing each as a JSON line to ``f`` on the way."""
+    for index, pred, target in results:
+        f.write(json.dumps({"index": index, "prediction": pred, "target": target}) + "\n")
+        yield index, pred, target
+
+
+def metrics(results: Iterable[tuple[int, int, int]], size: int) -> dict:
+    """Sample counts, order and accuracy of ``(index, prediction, target)`` results."""
+    count = correct = 0
+    seen = set()
+    in_order = True
+    for index, pred, target in results:
+        in_order = in_order and index == count
+        seen.add(index)
+        correct += pred == target
+        count += 1
     return {
-        "samples": len(collected),
-        "unique_samples": len(set(indices)),
-        "in_order": indices == list(range(len(dataset))),
-        "accuracy": correct / len(collected),
+        "samples": count,
+        "unique_samples": len(seen),
+        "in_order": in_order and count == size,
+        "accuracy": correct / max(count, 1),
     }

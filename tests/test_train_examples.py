@@ -88,6 +88,37 @@ def test_eval_counts_every_sample_once_on_one_two_and_three_ranks(checkpoint, tm
     assert results[0]["accuracy"] == results[1]["accuracy"] == results[2]["accuracy"]
 
 
+def test_eval_shuffled_and_streamed_report_the_same_metric(checkpoint, tmp_path):
+    """``--shuffle`` (sampler= restores the order) and ``--stream`` (iter_results writes
+    the predictions to a file) print the very metric of the plain run, on 2 ranks."""
+    modes = {
+        "plain": [],
+        "shuffle": ["--shuffle"],
+        "stream": ["--stream", str(tmp_path / "stream.jsonl")],
+        "both": ["--shuffle", "--stream", str(tmp_path / "both.jsonl")],
+    }
+    printed, results = {}, {}
+    for name, options in modes.items():
+        out = str(tmp_path / f"{name}.json")
+        cmd = ["-m", "distkit", "launch", "-n", "2", "examples/eval.py", "--checkpoint"]
+        stdout = run([*cmd, checkpoint, "--out", out, *options]).stdout
+        printed[name] = [line for line in stdout.splitlines() if "accuracy" in line]
+        with open(out) as f:
+            results[name] = json.load(f)
+    assert len(printed["plain"]) == 1 and "on 2 rank(s)" in printed["plain"][0]
+    for name in modes:
+        assert printed[name] == printed["plain"], name
+        r = results[name]
+        assert r["samples"] == r["unique_samples"] == 1001 and r["in_order"], name
+        assert r["accuracy"] == results["plain"]["accuracy"], name
+    for name in ("stream", "both"):
+        with open(tmp_path / f"{name}.jsonl") as f:
+            lines = [json.loads(line) for line in f]
+        assert [x["index"] for x in lines] == list(range(1001))
+        correct = sum(x["prediction"] == x["target"] for x in lines)
+        assert correct / 1001 == results["plain"]["accuracy"]
+
+
 def launch_train(work_dir: str, *options: str) -> list[str]:
     """``python -m distkit launch -n 2 examples/train.py`` into ``work_dir``."""
     return [

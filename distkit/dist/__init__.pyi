@@ -5,9 +5,11 @@ from distkit.dist._comm import GroupLike as GroupLike
 from distkit.dist.debug import CollectiveMismatchError as CollectiveMismatchError
 from distkit.dist.debug import get_debug as get_debug
 from distkit.dist.debug import set_debug as set_debug
+from distkit.dist.evaluation import ResultStream as ResultStream
 from distkit.dist.evaluation import collect_results as collect_results
 from distkit.dist.evaluation import collect_results_cpu as collect_results_cpu
 from distkit.dist.evaluation import collect_results_gpu as collect_results_gpu
+from distkit.dist.evaluation import iter_results as iter_results
 from distkit.dist.handle import Handle as Handle
 from distkit.dist.helpers import all_reduce_dict as all_reduce_dict
 from distkit.dist.helpers import all_reduce_params as all_reduce_params

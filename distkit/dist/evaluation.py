@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from itertools import chain, zip_longest
+from types import TracebackType
 from typing import Any, Optional
 
 import torch
+from torch import Tensor
 
-from distkit.dist import _args
+from distkit.dist import _args, _stream, _wire
+from distkit.dist import serializer as _serializer
+from distkit.dist._backend import ObjectCall
 from distkit.dist._comm import Comm, GroupLike, resolve
 from distkit.dist.objects import all_gather_object, gather_object
 from distkit.dist.tensor import all_reduce
@@ -17,6 +21,11 @@ from distkit.utils.console import track
 ORDERS = ("interleaved", "contiguous")
 #: Results per rank moved in one round: bounds memory per round, and paces the progress bar.
 CHUNK_ITEMS = 65536
+#: Default bytes of other ranks' results that ``iter_results`` holds on ``dst`` at once.
+CHUNK_BYTES = 32 * 1024 * 1024
+#: Results a rank encodes together in one message of ``iter_results`` (a larger result
+#: travels alone): ``dst`` decodes one pack at a time.
+PACK_BYTES = 1024 * 1024
 
 
 def _ordered(parts: list[list], size: int, order: str, fn: str, comm: Comm) -> list:
@@ -70,6 +79,80 @@ def _by_index(parts: list[list], index_parts: list[list], size: int, fn: str, co
     return out
 
 
+def _sampler_indices(sampler: Any, results: Sequence, fn: str, comm: Comm) -> list[int]:
+    """The dataset indices ``sampler`` gives this rank, in its order (one per result)."""
+    from torch.utils.data import DistributedSampler
+
+    if not isinstance(sampler, DistributedSampler) and not hasattr(sampler, "set_epoch"):
+        _args.fail(
+            TypeError,
+            fn,
+            comm,
+            f"sampler must be a DistributedSampler (or a sampler with set_epoch whose order "
+            f"depends only on its seed and epoch), got {_args.show(sampler)}",
+            "For another sampler, record the dataset index of each result and pass "
+            "indices= (e.g. the indices your dataset returns with each sample)",
+        )
+    indices = list(sampler)
+    if len(indices) != len(results):
+        _args.fail(
+            ValueError,
+            fn,
+            comm,
+            f"the sampler gives this rank {len(indices)} dataset indices but results has "
+            f"{len(results)} entries",
+            "Give one result per index the sampler yields, in its order (and do not call "
+            "sampler.set_epoch between evaluating and collecting)",
+        )
+    return indices
+
+
+def _check(
+    fn: str,
+    comm: Comm,
+    results: Any,
+    size: Any,
+    order: str,
+    indices: Optional[Sequence[int]],
+    sampler: Any,
+) -> Optional[list[int]]:
+    """The checks both collectors run before any communication; the indices to use."""
+    if isinstance(results, (str, bytes)) or not isinstance(results, Sequence):
+        _args.fail(TypeError, fn, comm, f"results must be a list, got {_args.show(results)}")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        _args.fail(TypeError, fn, comm, f"size must be a non-negative int, got {_args.show(size)}")
+    if sampler is not None:
+        if indices is not None:
+            _args.fail(
+                ValueError,
+                fn,
+                comm,
+                "both sampler and indices were given",
+                "Pass one: indices are read from the sampler",
+            )
+        return _sampler_indices(sampler, results, fn, comm)
+    if indices is not None:
+        indices = list(indices)
+        if len(indices) != len(results):
+            _args.fail(
+                ValueError,
+                fn,
+                comm,
+                f"indices has {len(indices)} entries but results has {len(results)}",
+                "Give one dataset index per result",
+            )
+        return indices
+    if order not in ORDERS:
+        _args.fail(
+            ValueError,
+            fn,
+            comm,
+            f"unknown order {order!r}",
+            f"Use one of {', '.join(ORDERS)}, or pass indices",
+        )
+    return None
+
+
 def collect_results(
     results: Sequence,
     size: int,
@@ -81,11 +164,18 @@ def collect_results(
     order: str = "interleaved",
     indices: Optional[Sequence[int]] = None,
     serializer: Optional[str] = None,
+    sampler: Any = None,
 ) -> Optional[list]:
     """Collect every rank's evaluation results, in dataset order, exactly ``size`` of them.
 
     Collective: every rank in ``group`` must call this.
     Single process: returns the first ``size`` results (reordered by ``indices`` if given).
+
+    **A shuffling sampler needs** ``sampler=`` **(or** ``indices=``**).** Without them the
+    results are placed by rank and position alone, which cannot tell a shuffled shard
+    from an ordered one: the results come back shuffled and nothing fails. Pass the
+    evaluation's ``DistributedSampler`` as ``sampler=`` and its own order puts every
+    result back at its dataset index (``examples/eval.py --shuffle``).
 
     How the dataset was split decides the order; say which:
 
@@ -94,9 +184,12 @@ def collect_results(
       repeat the first samples to even out the shards. Results are merged round-robin;
       the repeats fall past ``size`` and are cut.
     - ``order="contiguous"``: rank r evaluated one contiguous block, blocks in rank order.
-    - ``indices``: the dataset index of each of this rank's results (e.g.
-      ``list(sampler)`` for a shuffling sampler). Each result goes to its index; repeated
-      indices keep the first result; every index below ``size`` must be present.
+    - ``sampler``: the ``DistributedSampler`` (shuffling or not) that gave this rank its
+      samples; its indices, ``list(sampler)``, are used as ``indices``. Do not call
+      ``sampler.set_epoch`` between evaluating and collecting.
+    - ``indices``: the dataset index of each of this rank's results. Each result goes
+      to its index; repeated indices keep the first result; every index below ``size``
+      must be present.
 
     Results that are ``None`` are kept. No temporary directory is ever used: results
     travel through the object collectives (tensors in them as raw bytes), in rounds of
@@ -116,16 +209,20 @@ def collect_results(
         indices: Dataset index of each of this rank's results.
         serializer: ``pickle`` or ``safe`` for the results received (see
             :func:`~distkit.dist.set_serializer`).
+        sampler: The ``DistributedSampler`` this rank evaluated with (or a sampler with
+            ``set_epoch`` whose order depends only on seed and epoch); its indices
+            place the results. Takes the place of ``indices``.
 
     Returns:
         On ``dst`` (every rank if ``dst`` is ``None``), the ``size`` results in dataset
         order; ``None`` on the other ranks.
 
     Raises:
-        TypeError: ``results`` is not a sequence, ``size`` not an int, or a result cannot
-            be pickled.
+        TypeError: ``results`` is not a sequence, ``size`` not an int, ``sampler`` not a
+            replayable sampler, or a result cannot be pickled.
         ValueError: Fewer than ``size`` results arrived, an index is out of range or
-            missing, ``order`` is unknown, or ``indices`` has the wrong length.
+            missing, ``order`` is unknown, ``indices`` (or the sampler's) has the wrong
+            length, or both ``indices`` and ``sampler`` were given.
 
     Examples:
         >>> import distkit.dist as dist
@@ -141,30 +238,9 @@ def collect_results(
     """
     fn = "collect_results"
     comm = resolve(group, fn)
-    if isinstance(results, (str, bytes)) or not isinstance(results, Sequence):
-        _args.fail(TypeError, fn, comm, f"results must be a list, got {_args.show(results)}")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        _args.fail(TypeError, fn, comm, f"size must be a non-negative int, got {_args.show(size)}")
+    indices = _check(fn, comm, results, size, order, indices, sampler)
     if dst is not None:
         _args.rank(dst, "dst", fn, comm)
-    if indices is not None:
-        indices = list(indices)
-        if len(indices) != len(results):
-            _args.fail(
-                ValueError,
-                fn,
-                comm,
-                f"indices has {len(indices)} entries but results has {len(results)}",
-                "Give one dataset index per result",
-            )
-    elif order not in ORDERS:
-        _args.fail(
-            ValueError,
-            fn,
-            comm,
-            f"unknown order {order!r}",
-            f"Use one of {', '.join(ORDERS)}, or pass indices",
-        )
 
     # One tiny round tells every rank the longest shard, so all agree on the chunks.
     longest = int(all_reduce(torch.tensor([len(results)]), "max", group).item())
@@ -193,6 +269,387 @@ def collect_results(
     if indices is not None:
         return _by_index(parts, index_parts, size, fn, comm)
     return _ordered(parts, size, order, fn, comm)
+
+
+def _layout(
+    counts: list[int],
+    index_parts: Optional[list[Tensor]],
+    size: int,
+    order: str,
+    fn: str,
+    comm: Comm,
+) -> tuple[Tensor, Tensor]:
+    """Which rank's result, at which position, each of the ``size`` outputs is.
+
+    The same rules as :func:`_ordered` and :func:`_by_index`, computed on the counts
+    (and indices) alone, so no result needs to be at hand.
+    """
+    n = len(counts)
+    ranks = torch.repeat_interleave(torch.arange(n), torch.tensor(counts, dtype=torch.int64))
+    positions = torch.cat([torch.arange(c) for c in counts]) if counts else torch.empty(0)
+    positions = positions.long()
+    if index_parts is not None:
+        idx = torch.cat(index_parts).long() if index_parts else torch.empty(0, dtype=torch.long)
+        bad = ((idx < 0) | (idx >= size)).nonzero()
+        if bad.numel():
+            k = int(bad[0])
+            _args.fail(
+                ValueError,
+                fn,
+                comm,
+                f"rank {int(ranks[k])} reported dataset index {int(idx[k])}, outside 0..{size - 1}",
+            )
+        ordered, perm = torch.sort(idx, stable=True)
+        first = torch.ones(len(ordered), dtype=torch.bool)
+        first[1:] = ordered[1:] != ordered[:-1]  # the first copy of a repeated index wins
+        present = torch.zeros(size, dtype=torch.bool)
+        present[ordered[first]] = True
+        missing = (~present).nonzero().flatten().tolist()
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+            _args.fail(
+                ValueError,
+                fn,
+                comm,
+                f"{len(missing)} dataset indices were evaluated by no rank: {shown}",
+            )
+        pick = perm[first]
+        return ranks[pick], positions[pick]
+    total = sum(counts)
+    if total < size:
+        listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+        _args.fail(
+            ValueError,
+            fn,
+            comm,
+            f"the ranks returned {total} results in total ({listed}), fewer than size={size}",
+            "Every sample must be evaluated by some rank: use a sampler without drop_last, "
+            "or pass the number of samples actually evaluated as size",
+        )
+    if order == "interleaved" and len(set(counts)) > 1:  # round-robin, skipping short ranks
+        pick = torch.sort(positions * n + ranks).indices[:size]
+        return ranks[pick], positions[pick]
+    if order == "interleaved" and n > 1:
+        slots = torch.arange(size)
+        return slots % n, slots // n
+    return ranks[:size], positions[:size]
+
+
+def _rounds(cost: Tensor, budget: int) -> Iterator[tuple[int, int]]:
+    """Split outputs with byte costs ``cost`` into consecutive ``(start, end)`` rounds of
+    at most ``budget`` bytes (at least one output each)."""
+    total = torch.cumsum(cost, 0)
+    start, base, n = 0, 0, len(cost)
+    while start < n:
+        end = int(torch.searchsorted(total, base + budget, right=True))
+        end = max(end, start + 1)
+        yield start, end
+        base, start = int(total[end - 1]), end
+
+
+class ResultStream(Iterator[Any]):
+    """What :func:`iter_results` returns: an iterator, and a context manager that closes it.
+
+    On ``dst`` it yields the results in dataset order; closing it early (``break`` in a
+    ``with`` block, an exception, :meth:`close`) tells the other ranks to stop. On the
+    other ranks it yields nothing: iterating it (or closing it) answers ``dst``'s
+    requests until ``dst`` is done.
+    """
+
+    def __init__(self, items: Iterator[Any], finish: Any, dropped: Any = None) -> None:
+        self._items = items
+        self._finish = finish  # closes the protocol: tells the others, or serves to the end
+        self._dropped = dropped  # on dst: tells the others to stop (never blocks for long)
+
+    def __del__(self) -> None:
+        # dst's stream dropped unfinished (a bare ``for ... break``): the others stop.
+        # Nothing may wait here on the other ranks, so they never serve from here.
+        if self._dropped is not None:
+            try:
+                self._dropped()
+            except Exception:  # the world is going away: nothing left to tell
+                pass
+
+    def __iter__(self) -> ResultStream:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._items)
+
+    def close(self) -> None:
+        """Stop: on ``dst`` the other ranks are told to stop; elsewhere, serve ``dst`` to
+        the end (which returns once ``dst`` has finished or closed its iterator)."""
+        self._finish()
+
+    def __enter__(self) -> ResultStream:
+        return self
+
+    def __exit__(
+        self,
+        kind: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        self.close()
+
+
+class _Receiver:
+    """``dst``'s side: plans the rounds, requests, yields in dataset order."""
+
+    def __init__(
+        self,
+        link: Optional[_stream.Link],
+        comm: Comm,
+        results: Sequence,
+        ranks: Tensor,
+        positions: Tensor,
+        cost: Tensor,
+        budget: int,
+        call: ObjectCall,
+    ) -> None:
+        self.link = link
+        self.comm = comm
+        self.results = results
+        self.ranks, self.positions, self.cost = ranks, positions, cost
+        self.budget = budget
+        self.call = call
+        # ranks still waiting for a control message from dst
+        self.waiting = [r for r in range(comm.size) if r != comm.rank]
+        self.gone: set[int] = set()
+
+    def run(self) -> Generator[Any, None, None]:
+        comm, link, me = self.comm, self.link, self.comm.rank
+        pending: dict[int, int] = {}  # rank -> items asked for and not yet received
+        try:
+            for start, end in _rounds(self.cost, self.budget):
+                ranks = self.ranks[start:end]
+                positions = self.positions[start:end]
+                queues = {}
+                for r in ranks.unique().tolist():
+                    if r != me:
+                        assert link is not None
+                        wanted = positions[ranks == r].tolist()
+                        link.request(r, wanted)
+                        pending[r] = len(wanted)
+                while pending:  # every request is out: the ranks encode meanwhile
+                    r = next(iter(pending))
+                    try:
+                        packs = link.answer(r, pending[r], self.call.fn)  # type: ignore[union-attr]
+                    except Exception:
+                        self.gone.add(r)  # it failed: it neither answers nor listens
+                        raise
+                    finally:
+                        del pending[r]
+                    queues[r] = _stream.unpack(packs, r, self.call, comm)
+                    packs = []
+                for r, p in zip(ranks.tolist(), positions.tolist()):
+                    yield self.results[p] if r == me else next(queues[r])
+                del queues
+        finally:
+            self._stop(pending)
+
+    def _stop(self, pending: dict[int, int]) -> None:
+        """Tell every rank still waiting to stop (after draining answers asked for)."""
+        link, waiting = self.link, self.waiting
+        self.waiting = []
+        if link is None:
+            return
+        for r, count in pending.items():
+            try:
+                link.answer(r, count, self.call.fn)
+            except Exception:
+                self.gone.add(r)
+        for r in waiting:
+            if r not in self.gone:
+                link.done(r)
+
+    def stop(self) -> None:
+        self._stop({})
+
+
+def iter_results(
+    results: Sequence,
+    size: int,
+    *,
+    dst: int = 0,
+    group: GroupLike = None,
+    order: str = "interleaved",
+    indices: Optional[Sequence[int]] = None,
+    sampler: Any = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    serializer: Optional[str] = None,
+) -> ResultStream:
+    """Iterate over every rank's evaluation results on ``dst``, in dataset order, holding
+    only about ``chunk_bytes`` of other ranks' results at a time.
+
+    The streaming form of :func:`collect_results`, for predictions too large to hold
+    all at once on one rank: the same layouts (``order``, ``indices``, ``sampler``), the
+    same ``None`` results and padding rules, the same errors. On ``dst`` it yields
+    exactly ``size`` results; the other ranks get an empty iterator.
+
+    Collective: every rank in ``group`` must call this (the call shares each rank's
+    result count and sizes), and then **every rank must iterate or close what it
+    returned**: the other ranks answer ``dst``'s requests while they iterate. Use it
+    as a context manager so that an early ``break`` or an exception on ``dst`` tells the
+    others to stop (their iteration then ends)::
+
+        with dist.iter_results(results, len(dataset)) as stream:
+            for result in stream:  # on ranks other than dst: no items, serves dst
+                write(result)
+
+    Do not run other collectives on ``group`` while iterating.
+    Single process: yields the first ``size`` results (reordered by ``indices``).
+
+    ``dst`` asks for the results in rounds: each round holds the other ranks' results
+    for the next stretch of the dataset, at most ``chunk_bytes`` of them (at least one
+    result), received as pickled bytes and unpickled a pack (about 1 MiB) at a time.
+    Results from ``dst`` itself are its own objects; the rest are new objects.
+
+    Args:
+        results: This rank's results, in the order it evaluated its samples.
+        size: Number of samples in the dataset.
+        dst: Rank (within ``group``) that gets the results.
+        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        order: ``interleaved`` or ``contiguous``; ignored when ``indices`` is given.
+        indices: Dataset index of each of this rank's results.
+        sampler: The ``DistributedSampler`` this rank evaluated with; its indices place
+            the results (see :func:`collect_results`).
+        chunk_bytes: About how many bytes of other ranks' (pickled) results ``dst``
+            holds at once.
+        serializer: ``pickle`` or ``safe`` for the results received (see
+            :func:`~distkit.dist.set_serializer`).
+
+    Returns:
+        A :class:`ResultStream`: on ``dst``, the ``size`` results in dataset order;
+        on the other ranks, nothing.
+
+    Raises:
+        TypeError: A bad argument (as in :func:`collect_results`), ``chunk_bytes`` is
+            not a positive int, or a result cannot be pickled (every rank raises).
+        ValueError: Fewer than ``size`` results, an index out of range or missing
+            (every rank raises), or another argument error as in
+            :func:`collect_results`.
+
+    Examples:
+        >>> import distkit.dist as dist
+        >>> list(dist.iter_results(["a", None, "c", "pad"], size=3))
+        ['a', None, 'c']
+    """
+    fn = "iter_results"
+    comm = resolve(group, fn)
+    indices = _check(fn, comm, results, size, order, indices, sampler)
+    dst = _args.rank(dst, "dst", fn, comm)
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        _args.fail(
+            TypeError,
+            fn,
+            comm,
+            f"chunk_bytes must be a positive int, got {_args.show(chunk_bytes)}",
+        )
+    call = ObjectCall(fn, None, _serializer.resolve(serializer, fn, comm))
+    rank, others = comm.rank, [r for r in range(comm.size) if r != dst]
+    try:
+        sizes = _wire.encoded_sizes(results, "results", fn, comm)
+        error: Optional[BaseException] = None
+    except TypeError as exc:
+        sizes, error = [], exc
+    mine = torch.tensor(indices, dtype=torch.int64) if indices is not None else None
+    if comm.size == 1:
+        if error is not None:
+            raise error
+        ranks, positions = _layout(
+            [len(results)], None if mine is None else [mine], size, order, fn, comm
+        )
+        return _receiver(
+            None,
+            comm,
+            results,
+            ranks,
+            positions,
+            torch.zeros(size, dtype=torch.int64),
+            chunk_bytes,
+            call,
+        )
+
+    # One gather tells dst every rank's sizes (and indices), or what failed where.
+    failure = None if error is None else (_args.error_code(error), str(error))
+    plan = (len(results), torch.tensor(sizes, dtype=torch.int64), mine, failure)
+    plans = gather_object(plan, dst, group, serializer="safe")
+    link = _stream.Link(comm, fn)
+    if rank != dst:
+        if error is not None:
+            raise error
+        link.control(dst)  # GO, or the error dst found in the plan
+        served = [False]
+
+        def serve() -> Iterator[Any]:
+            if not served[0]:
+                served[0] = True
+                link.serve(dst, results, sizes, min(PACK_BYTES, chunk_bytes), fn)
+            return
+            yield
+
+        items = serve()
+        return ResultStream(items, lambda: [None for _ in items])
+
+    assert plans is not None
+    failed = [(r, p[3]) for r, p in enumerate(plans) if p[3] is not None and r != rank]
+    healthy = [r for r in others if all(r != f for f, _ in failed)]
+    if error is not None:
+        _stream.fail_everywhere(link, healthy, error, rank)
+    if failed:
+        r, (code, text) = failed[0]
+        try:
+            _args.remote_failure(code, fn, comm, f"rank {r} could not send its results: {text}")
+        except Exception as exc:
+            _stream.fail_everywhere(link, healthy, exc, r)
+    mixed = [r for r, p in enumerate(plans) if (p[2] is None) != (mine is None)]
+    if mixed:
+        try:
+            _args.fail(
+                ValueError,
+                fn,
+                comm,
+                f"rank {mixed[0]} and dst (rank {rank}) disagree: one passed indices "
+                "(or sampler), the other did not",
+                "Pass indices (or sampler) on every rank or on none",
+            )
+        except ValueError as exc:
+            _stream.fail_everywhere(link, others, exc, rank)
+    try:
+        parts = None if mine is None else [p[2] for p in plans]
+        ranks, positions = _layout([p[0] for p in plans], parts, size, order, fn, comm)
+    except ValueError as exc:
+        _stream.fail_everywhere(link, others, exc, rank)
+    costs = torch.cat(
+        [p[1] if r != rank else torch.zeros(p[0], dtype=torch.int64) for r, p in enumerate(plans)]
+    )
+    starts = torch.tensor([0] + [p[0] for p in plans]).cumsum(0)[:-1]
+    cost = costs[starts[ranks] + positions] if size else torch.zeros(0, dtype=torch.int64)
+    for r in others:
+        link.go(r)
+    return _receiver(link, comm, results, ranks, positions, cost, chunk_bytes, call)
+
+
+def _receiver(
+    link: Optional[_stream.Link],
+    comm: Comm,
+    results: Sequence,
+    ranks: Tensor,
+    positions: Tensor,
+    cost: Tensor,
+    budget: int,
+    call: ObjectCall,
+) -> ResultStream:
+    receiver = _Receiver(link, comm, results, ranks, positions, cost, budget, call)
+    items = receiver.run()  # refers to the receiver, never the other way: no cycle, so
+    # dropping the stream finalizes the generator at once (its finally tells the others)
+
+    def finish() -> None:
+        items.close()  # runs the generator's finally if it started
+        receiver.stop()
+
+    return ResultStream(items, finish, receiver.stop)
 
 
 def collect_results_cpu(
