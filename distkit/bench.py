@@ -72,7 +72,11 @@ def small_dicts(n: int, rank: int) -> list[dict]:
 
 
 def _time(
-    fns: dict[str, Callable[[], Any]], budget: float, min_iters: int = 5, max_iters: int = 2000
+    fns: dict[str, Callable[[], Any]],
+    budget: float,
+    min_iters: int = 5,
+    max_iters: int = 2000,
+    warmups: int = 2,
 ) -> dict[str, float]:
     """Median seconds per call of each implementation (the slowest rank of each call).
 
@@ -81,7 +85,7 @@ def _time(
     starts after a barrier, and every rank runs the same number of iterations.
     """
     names = list(fns)
-    for _ in range(2):  # warm up; every call starts together (mmengine's CPU mode needs it)
+    for _ in range(warmups):  # every call starts together (mmengine's CPU mode needs it)
         for name in names:
             td.barrier()
             fns[name]()
@@ -111,12 +115,13 @@ def _time(
 
 def _object_cases(rank: int, size: int, quick: bool) -> list[tuple]:
     mm = _mmengine()
-    big = 4 * MiB if quick else 32 * MiB
+    big = 2 * MiB if quick else 32 * MiB
+    n_small = 2_000 if quick else 20_000
     mid = 1 * MiB if quick else 4 * MiB
     payloads = [
         (f"{big // MiB} MiB of tensors in dicts", tensor_dicts(big, rank), 2.0),
         (f"{mid // MiB} MiB of tensors in dicts", tensor_dicts(mid, rank), 1.5),
-        ("20k small dicts", small_dicts(2_000 if quick else 20_000, rank), 1.1),
+        (f"{n_small // 1000}k small dicts", small_dicts(n_small, rank), 1.1),
         ("a small dict", {"loss": 0.25, "step": 10, "rank": rank}, 1.3),
     ]
     rows = []
@@ -301,6 +306,11 @@ GROUPS = {
 }
 
 
+#: ``--quick``: a smoke test of every case (each implementation called a few times), so
+#: the numbers it prints say nothing about speed.
+QUICK = {"min_iters": 2, "max_iters": 2, "warmups": 1}
+
+
 def run_rank(only: Optional[str], quick: bool, budget: float) -> list[dict]:
     """Run on every rank of the world: time each case, return the rows (rank 0)."""
     import warnings
@@ -317,7 +327,8 @@ def run_rank(only: Optional[str], quick: bool, budget: float) -> list[dict]:
         if only and only not in group:
             continue
         for case, fns, bus in build(rank, size, quick):
-            timings = _time({n: fn for n, fn in fns.items() if fn is not None}, budget)
+            impls = {n: fn for n, fn in fns.items() if fn is not None}
+            timings = _time(impls, budget, **(QUICK if quick else {}))
             rows.append({"case": case._asdict(), "seconds": timings, "bus": bus})
     return rows
 
@@ -325,7 +336,7 @@ def run_rank(only: Optional[str], quick: bool, budget: float) -> list[dict]:
 # -- single process ------------------------------------------------------------------------
 
 
-def noop_rows(number: int = 200_000) -> list[dict]:
+def noop_rows(number: int = 200_000, repeat: int = 7) -> list[dict]:
     """Single process, no process group: ns per call, and the ratio to an identity call."""
     mm = _mmengine()
     statements = [
@@ -345,7 +356,7 @@ def noop_rows(number: int = 200_000) -> list[dict]:
     plain.identity = _identity
 
     def per_call(stmt: str, lib: Any) -> float:
-        runs = timeit.repeat(stmt, globals={**env, "lib": lib}, number=number, repeat=7)
+        runs = timeit.repeat(stmt, globals={**env, "lib": lib}, number=number, repeat=repeat)
         return min(runs) / number * 1e9
 
     # the baseline is re-measured next to every row and the fastest kept: one slow sample
@@ -519,7 +530,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--only", default=None, help="run one group: objects, collect, tensors, debug, noop"
     )
-    parser.add_argument("--quick", action="store_true", help="small payloads (a smoke test)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke test: small payloads, each call made a few times (no useful timings)",
+    )
     parser.add_argument(
         "--budget",
         type=float,
@@ -540,7 +555,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         with RankPool(args.world_size, timeout=args.timeout, pg_timeout=600) as pool:
             only = None if args.only in (None, "all") else args.only
             rows = pool.run(run_rank, only, args.quick, args.budget)[0]
-    noop = noop_rows(20_000 if args.quick else 200_000) if args.only in (None, "noop") else []
+    noop = []
+    if args.only in (None, "noop"):
+        noop = noop_rows(2_000, repeat=2) if args.quick else noop_rows()
     report(rows, noop, args.world_size)
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -143,33 +143,98 @@ def _width() -> int:
         return 120
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="distkit", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="the environment, and what init_dist('auto') would choose")
-    launch = sub.add_parser("launch", help="run a script on N local ranks")
+DESCRIPTION = "Tools for multi-rank PyTorch code on one machine."
+
+EXAMPLES = """\
+examples:
+  distkit info
+  distkit launch -n 4 train.py --lr 0.1
+  distkit launch -n 2 -m mypackage.train
+  distkit bench --quick
+"""
+
+LAUNCH_HELP = """\
+Run a script (or, with -m, a module) on N ranks on this machine. Each rank is a
+fresh interpreter with the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), so the script's own
+dist.init_dist() or torch.distributed.init_process_group() joins them. When a rank
+fails, the others are stopped 3 s later and the failing rank's traceback is shown.
+"""
+
+LAUNCH_EPILOG = """\
+exit status: 0 every rank succeeded, 1 a rank failed or the run timed out,
+2 bad usage or no such script, 130 Ctrl-C, 143 SIGTERM.
+Options after the script belong to the script: distkit launch -n 2 train.py --lr 0.1
+"""
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``distkit`` parser, and its ``launch`` sub-parser (for its own errors)."""
+    import distkit
+
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="distkit", description=DESCRIPTION, epilog=EXAMPLES, formatter_class=raw
+    )
+    parser.add_argument("--version", action="version", version=f"distkit {distkit.__version__}")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    sub.add_parser(
+        "info",
+        help='versions, accelerators, backends, and what init_dist("auto") would do here',
+        description="Describe this machine as distkit sees it.",
+    )
+    launch = sub.add_parser(
+        "launch",
+        help="run a script on N local ranks, as torchrun would (no port to pick)",
+        description=LAUNCH_HELP,
+        epilog=LAUNCH_EPILOG,
+        formatter_class=raw,
+        usage="distkit launch [-n N] [--timeout SECONDS] (script.py | -m module) [args ...]",
+    )
     launch.add_argument("-n", "--nprocs", type=int, default=2, help="number of ranks (2)")
     launch.add_argument(
         "--timeout",
         type=float,
         default=None,
-        help="seconds before the run is stopped as hung (no limit)",
+        metavar="SECONDS",
+        help="stop the run as hung after this long, showing each rank's stack (no limit)",
     )
     launch.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m")
-    launch.add_argument("target", help="the script (or module with -m)")
+    launch.add_argument("target", nargs="?", help="the script (or the module, with -m)")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    sub.add_parser("bench", help="benchmark (see distkit bench --help)", add_help=False)
+    sub.add_parser(
+        "bench",
+        help="time distkit against torch.distributed and mmengine.dist (bench --help)",
+        add_help=False,
+    )
+    return parser, launch
 
-    if argv and argv[0] == "bench":  # its own parser handles the rest
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the ranks started (or in info, bench)
+        print("distkit: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
+    parser, launch = _parsers()
+    if not argv:  # what can I do here? the answer, rather than an error
+        parser.print_help()
+        return 0
+    if argv[0] == "bench":  # its own parser handles the rest
         from distkit.bench import main as bench
 
         return bench(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    if args.target is None:
+        launch.error("give the script to run (or -m and a module)")
     if args.nprocs < 1:
-        parser.error("-n must be at least 1")
+        launch.error("-n must be at least 1")
     from distkit.local.script import run_script
 
     return run_script(args.target, args.args, args.nprocs, args.timeout, module=args.module)

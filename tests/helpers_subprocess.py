@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 from conftest import ROOT
 
@@ -90,3 +91,39 @@ def alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+#: Environment variable that tags every process a test starts (children inherit it).
+MARK = "DISTKIT_TEST_MARK"
+
+
+def marked(mark: str, besides: tuple[int, ...] = ()) -> list[int]:
+    """Running processes (zombies excluded) started with ``DISTKIT_TEST_MARK=mark``.
+
+    Children inherit the variable, so this finds a launcher's ranks even once they have
+    been re-parented (their parent died), which is how orphans are caught.
+    """
+    needle = f"{MARK}={mark}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in besides:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:  # gone, or not ours
+            continue
+        if needle in env and alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds passed; return it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)

@@ -6,16 +6,21 @@ It runs a Python function on ``nprocs`` ranks of a fresh process group (a
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 from distkit import _registry
-from distkit.local.pool import RankPool
+from distkit.local.pool import RankPool, RankTimeout
 
-#: Collective timeout of a launched world when ``launch`` is given no timeout.
-DEFAULT_PG_TIMEOUT = 1800.0
+#: Seconds a :func:`launch` call may take by default (also its collectives' timeout).
+DEFAULT_TIMEOUT = 300.0
+#: Collective timeout of a launched world with ``timeout=None`` (torch's own default).
+NO_LIMIT_PG_TIMEOUT = 1800.0
 
 
 def _default_backend(nprocs: int) -> str:
@@ -45,7 +50,7 @@ def launch(
     args: Sequence[Any] = (),
     kwargs: Optional[dict] = None,
     backend: Optional[str] = None,
-    timeout: Optional[float] = None,
+    timeout: Optional[float] = DEFAULT_TIMEOUT,
     *,
     start_method: Optional[str] = None,
     env: Optional[dict] = None,
@@ -61,7 +66,17 @@ def launch(
 
     If a rank raises or dies, the other ranks get 3 seconds to finish, are stopped, and
     the call raises one :class:`~distkit.RankError` with the failing rank's
-    traceback (and where the stopped ranks were). No rank process outlives the call.
+    traceback (and where the stopped ranks were). No rank process outlives the call: not
+    on Ctrl-C (the ranks are killed at once), not when this process gets SIGTERM (the
+    call cleans up, then the process ends by that signal as it would have), and not when
+    this process is killed outright (each rank dies with its parent).
+
+    The default ``timeout`` is 5 minutes. These ranks all run on this machine, where a
+    healthy run of this kind takes seconds to minutes and a collective that has waited
+    5 minutes is a hang: a rank that caught an error and went on to a collective the
+    others never reach, say. torch's 30-minute default is sized for jobs across
+    machines; waiting that long at a prompt helps nobody. Pass ``timeout=None`` for no
+    limit (the collectives then keep torch's 30 minutes).
 
     Args:
         fn: The function each rank runs.
@@ -70,8 +85,8 @@ def launch(
         kwargs: Keyword arguments for ``fn``.
         backend: ``None`` picks nccl with one GPU per rank where there are enough GPUs,
             else gloo on the CPU.
-        timeout: Seconds the whole call may take (``None``: no limit); also the
-            collective timeout of the ranks' process group (default 30 minutes).
+        timeout: Seconds the whole call may take (default 300; ``None``: no limit); also
+            the collective timeout of the ranks' process group.
         start_method: Force ``fork``, ``forkserver`` or ``spawn``.
         env: Extra environment variables for the ranks.
 
@@ -94,18 +109,59 @@ def launch(
     if not callable(fn):
         raise TypeError(f"launch: fn must be callable, got {type(fn).__name__}")
     method = start_method or _default_start_method()
-    pool = RankPool(
-        nprocs,
-        backend or _default_backend(nprocs),
-        timeout=timeout,
-        pg_timeout=timeout if timeout is not None else DEFAULT_PG_TIMEOUT,
-        env={k: str(v) for k, v in (env or {}).items()},
-        start_method=method,
-    )
+    with _sigterm_unwinds():
+        pool = RankPool(
+            nprocs,
+            backend or _default_backend(nprocs),
+            timeout=timeout,
+            pg_timeout=timeout if timeout is not None else NO_LIMIT_PG_TIMEOUT,
+            env={k: str(v) for k, v in (env or {}).items()},
+            start_method=method,
+        )
+        try:
+            if method == "fork":  # hand the task over at fork time: nothing is pickled
+                pool.start(first_task=(fn, tuple(args), dict(kwargs or {})))
+                return pool.results(fn, timeout)
+            return pool.run(fn, *args, timeout=timeout, **dict(kwargs or {}))
+        except RankTimeout as exc:
+            hint = (
+                f"launch(timeout=...) sets this limit: {DEFAULT_TIMEOUT:g} s by default, None: none"
+            )
+            exc.args = (f"{exc.args[0]}\n{hint}",)
+            raise
+        finally:
+            pool.close()
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived during :func:`launch` (raised so that its clean-up runs)."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """Let SIGTERM unwind the block (its clean-up runs), then end the process by it.
+
+    Python's default for SIGTERM ends the process on the spot: the ranks would still
+    die with it, but the pool's temporary directory would be left behind. Only the
+    default action is replaced, and only in the main thread (where Python runs handlers).
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, handler)
     try:
-        if method == "fork":  # hand the task over at fork time: nothing is pickled
-            pool.start(first_task=(fn, tuple(args), dict(kwargs or {})))
-            return pool.results(fn, timeout)
-        return pool.run(fn, *args, timeout=timeout, **dict(kwargs or {}))
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # the ending the sender asked for
+        raise SystemExit(128 + signal.SIGTERM) from None  # if the signal is blocked
     finally:
-        pool.close()
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -33,10 +33,11 @@ DEFAULT_PG_TIMEOUT = 30.0
 
 
 class RankError(RuntimeError):
-    """A task failed on one or more ranks; the message holds every failing rank's story.
+    """A task failed on one or more ranks.
 
-    ``failures`` maps each failing rank to its :class:`Failure`; ``results`` holds what
-    the other ranks returned.
+    The message starts with the error of the rank that failed first, then shows every
+    failing rank's traceback. ``failures`` maps each failing rank to its
+    :class:`Failure`; ``results`` holds what the other ranks returned.
     """
 
     def __init__(self, message: str, failures: dict[int, Failure], results: dict[int, Any]) -> None:
@@ -51,6 +52,11 @@ class RankTimeout(RankError):
 
 #: Seconds the other ranks get to finish once one rank failed, before they are stopped.
 STOP_GRACE = 3.0
+#: Seconds the ranks get to meet after a task (a short barrier) before the world counts
+#: as broken and the pool restarts.
+SETTLE_TIMEOUT = 10.0
+#: Seconds ``close`` waits for the ranks to leave on their own before killing them.
+CLOSE_GRACE = 5.0
 
 
 def _context(start_method: Optional[str] = None) -> Any:
@@ -66,6 +72,11 @@ def _context(start_method: Optional[str] = None) -> Any:
 
 class RankPool:
     """``world_size`` rank processes in one gloo world, reused task after task.
+
+    After every task the ranks meet in a short barrier before they put back what the
+    task changed (so no rank destroys a group another is still using) and check that
+    the world still works: a world a task broke (a collective that timed out closes
+    gloo's connections) is restarted before the next task.
 
     Args:
         world_size: Number of ranks.
@@ -103,12 +114,14 @@ class RankPool:
         self.start_method = start_method
         self._procs: list[Any] = []
         self._conns: list[Any] = []
-        self._dir: Optional[str] = None
+        # the current temporary directory, in a list the finalizer shares: a pool that is
+        # garbage-collected (or left open at exit) still removes the one it has then
+        self._dirs: list[str] = []
         self._generation = 0
         self._task = 0
         self._lock = threading.Lock()
         self.restarts = 0
-        self._finalizer = weakref.finalize(self, _kill, self._procs, None)
+        self._finalizer = weakref.finalize(self, _kill, self._procs, self._dirs)
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -119,6 +132,10 @@ class RankPool:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    @property
+    def _dir(self) -> Optional[str]:
+        return self._dirs[0] if self._dirs else None
 
     def start(self, first_task: Optional[tuple] = None) -> RankPool:
         """Start the ranks (``run`` does this on first use).
@@ -132,46 +149,56 @@ class RankPool:
             return self
         self._stop(kill=True)
         ctx = _context(self.start_method)
-        self._dir = tempfile.mkdtemp(prefix="distkit-pool-")
+        directory = tempfile.mkdtemp(prefix="distkit-pool-")
+        self._dirs.append(directory)
         self._generation += 1
-        store = os.path.join(self._dir, f"store-{self._generation}")
+        store = os.path.join(directory, f"store-{self._generation}")
         env = {"DISTKIT_POOL": "1", **self.env}
-        for rank in range(self.world_size):
-            parent, child = ctx.Pipe()
-            stack = os.path.join(self._dir, f"stack-{rank}.txt")
-            proc = ctx.Process(
-                target=worker.main,
-                args=(
-                    rank,
-                    self.world_size,
-                    self.backend,
-                    store,
-                    stack,
-                    child,
-                    self.pg_timeout,
-                    env,
-                    first_task,
-                ),
-                daemon=True,
-                name=f"distkit-rank-{rank}",
-            )
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
+        if first_task is not None:
+            self._task += 1
+            first_task = (self._task, *first_task)
+        try:
+            for rank in range(self.world_size):
+                parent_end, child_end = ctx.Pipe()
+                stack = os.path.join(directory, f"stack-{rank}.txt")
+                proc = ctx.Process(
+                    target=worker.main,
+                    args=(
+                        rank,
+                        self.world_size,
+                        self.backend,
+                        store,
+                        stack,
+                        child_end,
+                        self.pg_timeout,
+                        env,
+                        first_task,
+                        os.getpid(),  # the ranks die with this process
+                    ),
+                    daemon=True,
+                    name=f"distkit-rank-{rank}",
+                )
+                proc.start()
+                child_end.close()
+                self._procs.append(proc)
+                self._conns.append(parent_end)
+            self._await_ready()
+        except BaseException:
+            self._stop(kill=True)  # Ctrl-C during start-up too: no rank, no directory left
+            raise
+        return self
+
+    def _await_ready(self) -> None:
         deadline = time.monotonic() + max(self.timeout or 0.0, 60.0)
         for rank, conn in enumerate(self._conns):
             if not conn.poll(max(deadline - time.monotonic(), 0.0)):
-                self._stop(kill=True)
                 raise RuntimeError(f"RankPool: rank {rank} did not start within the timeout")
             try:
                 status = conn.recv()
             except EOFError:
                 status = ("failed", f"rank {rank} exited during start-up")
             if status[0] != "ready":
-                self._stop(kill=True)
                 raise RuntimeError(f"RankPool: rank {rank} failed to start:\n{status[1]}")
-        return self
 
     def close(self) -> None:
         """Stop the ranks and remove the pool's temporary directory."""
@@ -188,16 +215,17 @@ class RankPool:
             for conn in self._conns:
                 try:
                     conn.send(("stop",))
-                except (OSError, BrokenPipeError):
+                except OSError:
                     pass
+            # one deadline for all: ranks busy elsewhere cost CLOSE_GRACE once, not each
+            deadline = time.monotonic() + CLOSE_GRACE
             for proc in self._procs:
-                proc.join(timeout=5)
-        _kill(self._procs, self._dir)
+                proc.join(timeout=max(deadline - time.monotonic(), 0.0))
+        _kill(self._procs, self._dirs)
         for conn in self._conns:
             conn.close()
         self._procs.clear()
         self._conns.clear()
-        self._dir = None
 
     # -- running ----------------------------------------------------------------------
 
@@ -222,20 +250,38 @@ class RankPool:
             RankError: ``fn`` raised on some ranks; the message shows each traceback.
             RankTimeout: Some ranks did not finish in time; the message shows their stacks.
         """
+        __tracebackhide__ = True  # pytest shows the ranks' tracebacks, not this plumbing
         with self._lock:
             self.start()
-            self._task += 1
             payload = pickle.dumps((FnRef.of(fn), args, kwargs, list(sys.path)))
-            for conn in self._conns:
-                conn.send(("run", self._task, payload))
-            return self._collect(fn, timeout if timeout is not None else self.timeout)
+            self._task += 1
+            return self._guarded(fn, timeout, ("run", self._task, payload))
 
     def results(self, fn: Any, timeout: Optional[float] = None) -> list[Any]:
         """Collect the results of the ``first_task`` given to :meth:`start`."""
+        __tracebackhide__ = True
         with self._lock:
-            return self._collect(fn, timeout if timeout is not None else self.timeout)
+            return self._guarded(fn, timeout, None)
 
-    def _collect(self, fn: Any, timeout: Optional[float]) -> list[Any]:
+    def _guarded(self, fn: Any, timeout: Optional[float], message: Optional[tuple]) -> list[Any]:
+        __tracebackhide__ = True
+        try:
+            if message is not None:
+                for conn in self._conns:
+                    conn.send(message)
+            return self._collect(fn, timeout if timeout is not None else self.timeout)
+        except RankError:
+            raise
+        except BaseException:
+            # Interrupted (Ctrl-C, SIGTERM turned into an exception) or broken mid-task:
+            # the ranks may still be running it, and their late answers would be read as
+            # the next task's. Kill them now; the next task starts a fresh world.
+            self._stop(kill=True)
+            self.restarts += 1
+            raise
+
+    def _gather(self, timeout: Optional[float]) -> tuple[dict, dict, dict, dict, bool]:
+        """Read each rank's answer until all answered, the deadline, or the grace ends."""
         results: dict[int, Any] = {}
         failures: dict[int, Failure] = {}
         outputs: dict[int, str] = {}
@@ -258,29 +304,31 @@ class RankPool:
             ready.sort(key=lambda c: self._procs[self._conns.index(c)].is_alive())
             for conn in ready:
                 rank = self._conns.index(conn)
+                del pending[rank]
                 try:
-                    kind, _, value, output, intact = conn.recv()
+                    kind, task, value, output, intact = conn.recv()
                 except (EOFError, OSError):
-                    self._procs[rank].join(timeout=2)
-                    code = self._procs[rank].exitcode
-                    how = f"killed by signal {-code}" if code and code < 0 else f"exit code {code}"
-                    failures[rank] = Failure(
-                        rank,
-                        "RankDied",
-                        f"rank {rank} died ({how}) while running the task",
-                        "",
-                        None,
-                    )
+                    failures[rank] = self._death(rank)
                     restart = True
-                    del pending[rank]
                     continue
                 outputs[rank] = output
-                restart = restart or not intact
+                restart = restart or not intact or task != self._task
                 if kind == "ok":
                     results[rank] = value
                 else:
                     failures[rank] = value
-                del pending[rank]
+        return results, failures, outputs, pending, restart
+
+    def _death(self, rank: int) -> Failure:
+        self._procs[rank].join(timeout=2)
+        code = self._procs[rank].exitcode
+        how = f"killed by signal {-code}" if code and code < 0 else f"exit code {code}"
+        why = f"rank {rank} died ({how}) while running the task"
+        return Failure(rank, "RankDied", why, "", None)
+
+    def _collect(self, fn: Any, timeout: Optional[float]) -> list[Any]:
+        __tracebackhide__ = True
+        results, failures, outputs, pending, restart = self._gather(timeout)
         name = getattr(fn, "__qualname__", repr(fn))
         for rank in sorted(outputs):
             if outputs[rank]:
@@ -291,12 +339,13 @@ class RankPool:
             self.restarts += 1
             stuck = ", ".join(map(str, sorted(pending)))
             if failures:
-                failed = ", ".join(map(str, sorted(failures)))
                 lines = [
-                    f"{name} failed on rank(s) {failed} of {self.world_size}; rank(s) {stuck} "
-                    f"were still running {STOP_GRACE:g} s later and were stopped."
+                    _headline(failures),
+                    f"{name} failed on rank(s) {_ranks(failures)} of {self.world_size}; "
+                    f"rank(s) {stuck} were still running {STOP_GRACE:g} s later and were "
+                    "stopped.",
+                    *_failure_lines(failures),
                 ]
-                lines += _failure_lines(failures)
                 lines += [
                     f"--- rank {r} was stopped here (all threads) ---\n{stacks[r]}"
                     for r in sorted(pending)
@@ -309,18 +358,42 @@ class RankPool:
             for rank in sorted(pending):
                 lines.append(f"--- rank {rank} was here (all threads) ---\n{stacks[rank]}")
             raise RankTimeout("\n".join(lines), failures, results)
-        if restart:
+        if restart or not self._settle():
             self._stop(kill=True)
             self.restarts += 1
         if failures:
             first = next(iter(failures))
             lines = [
-                f"{name} failed on rank(s) {', '.join(map(str, sorted(failures)))} "
-                f"of {self.world_size}" + (f" (rank {first} first)" if len(failures) > 1 else "")
+                _headline(failures),
+                f"{name} failed on rank(s) {_ranks(failures)} of {self.world_size}"
+                + (f" (rank {first} first)" if len(failures) > 1 else ""),
+                *_failure_lines(failures),
             ]
-            lines += _failure_lines(failures)
             raise RankError("\n".join(lines), failures, results)
         return [results[r] for r in range(self.world_size)]
+
+    def _settle(self) -> bool:
+        """Have the ranks meet and reset after a task; ``False`` if the world is broken.
+
+        The ranks meet only now, when every one has answered, so a slow rank never
+        holds a fast one in the barrier for longer than the barrier itself takes.
+        """
+        try:
+            for conn in self._conns:
+                conn.send(("settle", SETTLE_TIMEOUT))
+        except OSError:
+            return False
+        deadline = time.monotonic() + SETTLE_TIMEOUT + 5.0
+        healthy = True
+        for conn in self._conns:
+            try:
+                if not conn.poll(max(deadline - time.monotonic(), 0.0)):
+                    return False
+                kind, problem = conn.recv()
+            except (EOFError, OSError):
+                return False
+            healthy = healthy and kind == "settled" and problem is None
+        return healthy
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         paths = {r: os.path.join(self._dir or "", f"stack-{r}.txt") for r in ranks}
@@ -346,6 +419,16 @@ def _indent(text: str) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
+def _ranks(failures: dict[int, Failure]) -> str:
+    return ", ".join(map(str, sorted(failures)))
+
+
+def _headline(failures: dict[int, Failure]) -> str:
+    """The first failing rank's error: what a reader needs first."""
+    f = next(iter(failures.values()))
+    return f"{f.type_name}: {f.message}"
+
+
 def _failure_lines(failures: dict[int, Failure]) -> list[str]:
     """One block per failing rank, in the order the failures arrived."""
     lines = []
@@ -356,7 +439,7 @@ def _failure_lines(failures: dict[int, Failure]) -> list[str]:
     return lines
 
 
-def _kill(procs: list[Any], directory: Optional[str]) -> None:
+def _kill(procs: list[Any], dirs: list[str]) -> None:
     for proc in procs:
         if proc.is_alive():
             try:
@@ -365,8 +448,8 @@ def _kill(procs: list[Any], directory: Optional[str]) -> None:
                 pass
     for proc in procs:
         proc.join(timeout=5)
-    if directory:
-        shutil.rmtree(directory, ignore_errors=True)
+    while dirs:
+        shutil.rmtree(dirs.pop(), ignore_errors=True)
 
 
 _pools: dict[tuple[int, str], RankPool] = {}

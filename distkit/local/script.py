@@ -1,54 +1,299 @@
 """Run a script on local ranks without torchrun: ``distkit launch -n N script.py``.
 
-Each rank is a fresh interpreter with the variables torchrun would set, so the script's
-own ``dist.init_dist()`` (or ``torch.distributed.init_process_group()``) joins them.
+Each rank is a fresh interpreter with the variables torchrun's agent sets, so the
+script's own ``dist.init_dist()`` (or ``torch.distributed.init_process_group()``) joins
+them. The launcher hosts the rendezvous store on a port the system picks and watches
+every rank with a thread of its own, so the rank named as failing first is the one whose
+exit it saw first, and the others are stopped a few seconds after any rank fails. A
+rank's traceback and, when it must be stopped, its Python stack come back through pipes:
+the launcher writes no files, so however it ends it leaves nothing behind. Every rank
+dies with the launcher, from before its interpreter starts.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import importlib.machinery
+import importlib.util
 import json
 import os
+import re
 import runpy
+import selectors
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, Optional
 
 from distkit.local.pool import STOP_GRACE
+from distkit.local.worker import die_with_parent
+
+#: Exit status of a launcher stopped by a signal: 128 + the signal, as a shell reports.
+INTERRUPTED = 128 + signal.SIGINT
+TERMINATED = 128 + signal.SIGTERM
 
 
-def _rank_env(rank: int, nprocs: int, port: int, error_file: str) -> dict[str, str]:
+def _rank_env(rank: int, nprocs: int, port: int, run_id: str) -> dict[str, str]:
+    """This environment plus what torchrun's agent gives a rank of a one-node job.
+
+    torch 2.1 to 2.4 read ``TORCHELASTIC_RESTART_COUNT`` whenever
+    ``TORCHELASTIC_USE_AGENT_STORE`` is set (``env://`` then prefixes its keys with the
+    attempt), and ``is_torchelastic_launched()`` (which Lightning and others check) reads
+    ``TORCHELASTIC_RUN_ID``: set them all, as the agent does.
+    """
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
         WORLD_SIZE=str(nprocs),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(nprocs),
+        GROUP_RANK="0",
+        GROUP_WORLD_SIZE="1",
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(nprocs),
+        ROLE_NAME="default",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         # the ranks join the store this process hosts instead of rank 0 binding the port
         TORCHELASTIC_USE_AGENT_STORE="True",
-        DISTKIT_ERROR_FILE=error_file,
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_RUN_ID=run_id,
     )
+    env.setdefault(_nccl_error_handling_var(), "1")  # as the agent: fail, don't hang
     if nprocs > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks share the cores
     return env
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 5
-    for p in procs:
+def _nccl_error_handling_var() -> str:
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    # torch 2.2 renamed it; setting the old name there only prints a deprecation warning
+    return (
+        "NCCL_ASYNC_ERROR_HANDLING"
+        if (major, minor) < (2, 2)
+        else "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    )
+
+
+def check_target(target: str, module: bool) -> Optional[str]:
+    """Why ``target`` cannot run (``None`` when it can), found without importing it.
+
+    Args:
+        target: A script path, or a module name with ``module=True``.
+        module: Whether ``target`` is a module, as for ``python -m``.
+
+    Returns:
+        ``None``, or one line saying what is missing.
+    """
+    if not module:
+        if os.path.isdir(target):
+            if os.path.exists(os.path.join(target, "__main__.py")):
+                return None
+            return f"{target} is a directory without a __main__.py"
+        return None if os.path.isfile(target) else f"no such script: {target}"
+    # find the module as `python -m` would (the current directory first), one level at a
+    # time, without importing its packages: their code must only run on the ranks
+    parts = target.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return f"not a module name: {target}"
+    spec = importlib.machinery.PathFinder.find_spec(parts[0], [os.getcwd(), *sys.path])
+    # built-in and frozen modules, and packages installed in editable mode (their
+    # finder is not a path on sys.path); a top-level name is found without importing
+    spec = spec or importlib.util.find_spec(parts[0])
+    for part in parts[1:]:
+        where = spec.submodule_search_locations if spec is not None else None
+        spec = importlib.machinery.PathFinder.find_spec(part, list(where)) if where else None
+    return None if spec is not None else f"no module named {target}"
+
+
+class _Rank:
+    """One rank process, with what the launcher learns about it."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen, error: int, stack: int) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.fds = {error: "error", stack: "stack"}  # the launcher's ends of the pipes
+        self.data = {"error": bytearray(), "stack": bytearray()}
+        self.exited_at: Optional[float] = None  # when the launcher saw it exit
+        self.reported_at: Optional[float] = None  # when its traceback began to arrive
+
+    @property
+    def code(self) -> Optional[int]:
+        return self.proc.returncode if self.exited_at is not None else None
+
+    @property
+    def failed_at(self) -> Optional[float]:
+        """When the launcher learned this rank failed: its traceback arriving or, for a
+        rank that died without one (``os._exit``, a signal), its exit.
+
+        Not the exit alone: a rank that raised may take a while to shut down (torch
+        tears its process group down at exit), and the rank it left waiting can fail
+        and exit first. A Ctrl-C report is no failure.
+        """
+        times = []
+        if self.reported_at is not None and not (self.report() or {}).get("interrupted"):
+            times.append(self.reported_at)
+        if self.exited_at is not None and self.code != 0:
+            times.append(self.exited_at)
+        return min(times) if times else None
+
+    def report(self) -> Optional[dict]:
         try:
-            p.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            return json.loads(bytes(self.data["error"]).decode("utf-8", "replace"))
+        except ValueError:
+            return None
+
+
+class _Launch:
+    """Start the ranks, watch them, stop them, and say what happened."""
+
+    def __init__(self, nprocs: int, out: Any) -> None:
+        self.nprocs = nprocs
+        self.out = out
+        self.ranks: list[_Rank] = []
+        self.wake = threading.Event()
+        self.lock = threading.Lock()  # guards the pipes' data
+        self.signal: Optional[int] = None  # SIGINT or SIGTERM, once one arrives
+        self.signal_at = float("inf")
+        self.stopped_at = float("inf")  # when the launcher began to stop the ranks
+
+    # -- processes --------------------------------------------------------------------
+
+    def start(self, cmd: list[str], port: int) -> None:
+        run_id = f"distkit-{uuid.uuid4().hex[:12]}"
+        preexec = die_with_parent(os.getpid())  # set before the rank's interpreter runs
+        for rank in range(self.nprocs):
+            error_r, error_w = os.pipe()
+            stack_r, stack_w = os.pipe()
+            env = _rank_env(rank, self.nprocs, port, run_id)
+            env.update(DISTKIT_ERROR_FD=str(error_w), DISTKIT_STACK_FD=str(stack_w))
+            try:
+                proc = subprocess.Popen(
+                    cmd, env=env, pass_fds=(error_w, stack_w), preexec_fn=preexec
+                )
+            except BaseException:
+                for fd in (error_r, stack_r):
+                    os.close(fd)
+                for r in self.ranks:  # none of those started may outlive this
+                    r.proc.kill()
+                    r.proc.wait()
+                    r.exited_at = time.monotonic()
+                raise
+            finally:
+                os.close(error_w)
+                os.close(stack_w)
+            self.ranks.append(_Rank(rank, proc, error_r, stack_r))
+        # threads only now: preexec_fn runs in a fork of this process, which is safest
+        # while no other Python thread holds a lock
+        for r in self.ranks:
+            threading.Thread(target=self._watch, args=(r,), daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _watch(self, r: _Rank) -> None:
+        r.proc.wait()
+        r.exited_at = time.monotonic()
+        self.wake.set()
+
+    def _read(self) -> None:
+        """Collect what the ranks write to their pipes until every pipe is closed."""
+        sel = selectors.DefaultSelector()
+        for r in self.ranks:
+            for fd, kind in r.fds.items():
+                sel.register(fd, selectors.EVENT_READ, (r, kind))
+        while sel.get_map():
+            for key, _ in sel.select(timeout=1.0):
+                r, kind = key.data
+                chunk = os.read(key.fd, 65536)
+                if chunk:
+                    with self.lock:
+                        r.data[kind] += chunk
+                    if kind == "error" and r.reported_at is None:
+                        r.reported_at = time.monotonic()
+                        self.wake.set()
+                else:
+                    sel.unregister(key.fd)
+                    os.close(key.fd)
+        sel.close()
+
+    def running(self) -> list[_Rank]:
+        return [r for r in self.ranks if r.exited_at is None]
+
+    def _wait(self, ranks: list[_Rank], seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while any(r.exited_at is None for r in ranks) and time.monotonic() < deadline:
+            self.wake.wait(min(0.05, max(deadline - time.monotonic(), 0.0)))
+            self.wake.clear()
+
+    def supervise(self, timeout: Optional[float]) -> str:
+        """Wait until every rank exited, one failed (plus a grace), a timeout or a signal."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.signal is not None:
+                return "signal"
+            if not self.running():
+                return "done"
+            failed = [t for t in (r.failed_at for r in self.ranks) if t is not None]
+            now = time.monotonic()
+            if failed and now >= min(failed) + STOP_GRACE:
+                return "failed"
+            if deadline is not None and now >= deadline:
+                return "timeout"
+            self.wake.wait(0.1)  # a rank's exit wakes this at once; a signal within 0.1 s
+            self.wake.clear()
+
+    def stop(self, steps: Sequence[tuple[Optional[int], float]]) -> None:
+        """Send each signal in turn to the ranks still running, waiting after each.
+
+        A step whose signal is ``None`` only waits.
+        """
+        for sig, seconds in steps:
+            ranks = self.running()
+            if not ranks:
+                return
+            for r in ranks:
+                try:
+                    if sig is not None:
+                        r.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+            self._wait(ranks, seconds)
+
+    def stacks(self, ranks: list[_Rank]) -> dict[int, str]:
+        """Each rank's Python stack, dumped by faulthandler on SIGUSR1."""
+        with self.lock:
+            before = {r.rank: len(r.data["stack"]) for r in ranks}
+        for r in ranks:
+            try:
+                r.proc.send_signal(signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+        with self.lock:
+            return {
+                r.rank: bytes(r.data["stack"][before[r.rank] :]).decode("utf-8", "replace")
+                for r in ranks
+            }
+
+    def finish(self) -> None:
+        """Wait for every rank (already stopped) and for the last of their pipes."""
+        self._wait(self.ranks, 10.0)
+        # a rank's children may hold its pipes open; what the rank wrote is in by now
+        self.reader.join(timeout=1.0)
+
+    # -- the report -------------------------------------------------------------------
+
+    def failures(self) -> list[_Rank]:
+        """The ranks that failed on their own (before being stopped), in the order seen."""
+        failed = [r for r in self.ranks if (r.failed_at or float("inf")) < self.stopped_at]
+        return sorted(failed, key=lambda r: (r.failed_at, r.rank))
 
 
 def run_script(
@@ -61,11 +306,13 @@ def run_script(
 ) -> int:
     """Run a script (or ``-m module``) on ``nprocs`` local ranks, as torchrun would.
 
-    Each rank is a fresh interpreter with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set; this process hosts the
-    rendezvous store on a port the system picks, so two launches never collide. When a
-    rank fails, the others get 3 seconds, are stopped, and the failing rank's traceback
-    is printed.
+    Each rank is a fresh interpreter with the variables torchrun's agent sets (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``, the ``TORCHELASTIC_*`` ones, ...); this process hosts the rendezvous
+    store on a port the system picks, so two launches never collide. When a rank fails,
+    the others get 3 seconds, are stopped, and the traceback of the rank that failed
+    first is printed. On a timeout the stack of every rank still running is printed. On
+    Ctrl-C or SIGTERM the ranks are stopped within a few seconds.
 
     Args:
         script: Path of the script (or module name with ``module=True``).
@@ -76,77 +323,194 @@ def run_script(
         file: Where to write the failure report (default ``sys.stderr``).
 
     Returns:
-        0 when every rank exited cleanly, else 1.
+        0 when every rank exited cleanly; 1 when one failed or the run timed out; 2 when
+        the script does not exist; 130 after Ctrl-C (SIGINT); 143 after SIGTERM.
     """
+    out = file if file is not None else sys.stderr
+    problem = check_target(script, module)
+    if problem is not None:
+        print(f"distkit launch: {problem}", file=out)
+        return 2
     from torch.distributed import TCPStore
 
-    out = file if file is not None else sys.stderr
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    errors = tempfile.mkdtemp(prefix="distkit-launch-")
-    procs = []
-    for rank in range(nprocs):
-        cmd = [sys.executable, "-m", "distkit.local.script", "--as-rank"]
-        cmd += ["--module", script] if module else [script]
-        env = _rank_env(rank, nprocs, store.port, os.path.join(errors, f"rank-{rank}.json"))
-        procs.append(subprocess.Popen([*cmd, *script_args], env=env))
-    deadline = time.monotonic() + timeout if timeout is not None else None
-    failed: dict[int, int] = {}
-    grace_end = None
+    cmd = [sys.executable, "-m", "distkit.local.script", "--as-rank"]
+    cmd += ["--module", script] if module else [script]
+    launch = _Launch(nprocs, out)
+    restore = _catch_signals(launch)
+    stuck: list[_Rank] = []
+    stacks: dict[int, str] = {}
     try:
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            for rank, p in enumerate(procs):
-                if p.returncode not in (None, 0) and rank not in failed:
-                    failed[rank] = p.returncode
-            if failed and grace_end is None:
-                grace_end = now + STOP_GRACE
-            if (grace_end is not None and now > grace_end) or (deadline and now > deadline):
-                break
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        failed.setdefault(-1, -int(signal.SIGINT))
-    running = [r for r, p in enumerate(procs) if p.poll() is None]
-    _stop(procs)
-    for rank, p in enumerate(procs):
-        if p.returncode not in (0, None) and rank not in failed and rank not in running:
-            failed[rank] = p.returncode
-    del store
-    if not failed and not running:
-        return 0
+        launch.start([*cmd, *script_args], store.port)
+        outcome = launch.supervise(timeout)
+        launch.stopped_at = min(launch.signal_at, time.monotonic())
+        if launch.signal == signal.SIGINT:
+            launch.stop([(None, 1.0)])  # Ctrl-C at a terminal reached the ranks too
+        stuck = launch.running()
+        stacks = launch.stacks(stuck) if stuck else {}
+        first = [(signal.SIGINT, 1.0)] if launch.signal == signal.SIGINT else []
+        launch.stop([*first, (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)])
+        launch.finish()
+    finally:
+        launch.stop([(signal.SIGKILL, 5.0)])  # however this ends, no rank survives it
+        restore()
+        del store
+    return _report(launch, outcome, stuck, stacks, timeout)
+
+
+def _catch_signals(launch: _Launch) -> Any:
+    """Turn SIGINT and SIGTERM into a flag the supervising loop reads; return an undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = {}
+
+    def note(signum: int, frame: Any) -> None:
+        if launch.signal is None:
+            launch.signal, launch.signal_at = signum, time.monotonic()
+        launch.wake.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        old[sig] = signal.signal(sig, note)
+
+    def restore() -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<fn>\S+)')
+
+
+def _main_thread(dump: str) -> str:
+    """The main thread's part of a faulthandler dump, without the launcher's frames."""
+    blocks = [b for b in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip()) if b]
+    if not blocks:
+        return ""
+    lines = blocks[-1].splitlines()  # faulthandler lists the main thread last
+    keep = [ln for ln in lines[1:] if not _launcher_frame(_frame_file(ln))]
+    return "\n".join(keep)
+
+
+def _frame_file(line: str) -> str:
+    match = _FRAME.search(line)
+    return match["file"] if match else ""
+
+
+def _where(text: str, innermost_first: bool) -> Optional[str]:
+    """The innermost frame of a stack that is the user's code (else the innermost)."""
+    frames = [m for m in _FRAME.finditer(text) if not _launcher_frame(m["file"])]
+    if innermost_first:
+        frames.reverse()
+    if not frames:
+        return None
+    mine = [m for m in frames if not _library_file(m["file"])]
+    m = (mine or frames)[-1]
+    return f"{m['file']}:{m['line']} in {m['fn']}"
+
+
+def _library_file(filename: str) -> bool:
+    """Whether a frame is torch's, distkit's or the standard library's."""
+    import sysconfig
+
+    torch = sys.modules.get("torch")
+    roots = [sysconfig.get_paths()["stdlib"], os.path.dirname(os.path.dirname(__file__))]
+    if torch is not None and torch.__file__:
+        roots.append(os.path.dirname(torch.__file__))
+    return filename.startswith("<") or any(
+        filename.startswith(root + os.sep) for root in roots if root
+    )
+
+
+def _report(
+    launch: _Launch, outcome: str, stuck: list[_Rank], stacks: dict[int, str], timeout: Any
+) -> int:
+    n = launch.nprocs
     lines = []
-
-    def when(rank: int) -> float:  # a rank's error report is written as it fails
-        report = os.path.join(errors, f"rank-{rank}.json")
-        return os.path.getmtime(report) if os.path.exists(report) else float("inf")
-
-    order = sorted(failed, key=lambda r: (when(r), r))
-    for n, rank in enumerate(order):
-        if rank < 0:
-            lines.append("distkit launch: interrupted")
-            continue
-        code = failed[rank]
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        first = " first" if n == 0 and len(order) > 1 else ""
-        lines.append(f"distkit launch: rank {rank} of {nprocs} failed{first} ({how})")
-        report = os.path.join(errors, f"rank-{rank}.json")
-        if os.path.exists(report):
-            with open(report) as f:
-                lines.append(json.load(f)["traceback"].rstrip())
-    if running:
-        why = "after another rank failed" if failed else f"after the {timeout:g} s timeout"
+    failed = launch.failures()
+    stuck = [r for r in stuck if r not in failed]  # a rank slow to exit after its error
+    if outcome == "signal":
+        name = "Ctrl-C (SIGINT)" if launch.signal == signal.SIGINT else "SIGTERM"
+        stopped = [r for r in launch.ranks if r not in failed and r.code != 0]
         lines.append(
-            f"distkit launch: rank(s) {', '.join(map(str, running))} were still "
-            f"running and were stopped {why}"
+            f"distkit launch: interrupted by {name}; stopped rank(s) "
+            + (", ".join(str(r.rank) for r in stopped) or "none")
         )
-    print("\n".join(lines), file=out)
-    return 1
+        for r in stopped:
+            report = r.report()
+            where = _where(report["traceback"], False) if report else None
+            if where is None and r.rank in stacks:
+                where = _where(_main_thread(stacks[r.rank]), True)
+            if where:
+                lines.append(f"  rank {r.rank} was at {where}")
+    for i, r in enumerate(failed):
+        code = r.code or 0
+        if r.exited_at is None or r.exited_at >= launch.stopped_at:
+            how = "stopped while it exited"
+        else:
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        report = r.report()
+        if i == 0:
+            first = " first" if len(failed) > 1 else ""
+            lines.append(f"distkit launch: rank {r.rank} of {n} failed{first} ({how})")
+            if report:
+                lines.append(report["traceback"].rstrip())
+            else:
+                lines.append("(it printed no Python traceback: it exited or was killed)")
+        else:
+            last = report["traceback"].rstrip().splitlines()[-1] if report else "no traceback"
+            lines.append(f"distkit launch: rank {r.rank} of {n} failed too ({how}): {last}")
+    if stuck and outcome == "failed":
+        lines.append(
+            f"distkit launch: rank(s) {', '.join(str(r.rank) for r in stuck)} were still "
+            f"running {STOP_GRACE:g} s after rank {failed[0].rank} failed and were stopped"
+        )
+        for r in stuck:
+            where = _where(_main_thread(stacks.get(r.rank, "")), True)
+            if where:
+                lines.append(f"  rank {r.rank} was at {where}")
+    if stuck and outcome == "timeout":
+        lines.append(
+            f"distkit launch: rank(s) {', '.join(str(r.rank) for r in stuck)} were still "
+            f"running after the {timeout:g} s timeout and were stopped"
+        )
+        for r in stuck:
+            stack = _main_thread(stacks.get(r.rank, "")) or "(no stack was dumped)"
+            lines.append(f"--- rank {r.rank} was here (main thread, most recent call first) ---")
+            lines.append(stack)
+    if lines:
+        print("\n".join(lines), file=launch.out)
+    if outcome == "signal":
+        return INTERRUPTED if launch.signal == signal.SIGINT else TERMINATED
+    return 1 if failed or stuck else 0
+
+
+# -- inside a rank ----------------------------------------------------------------------
+
+
+def _channel(name: str) -> Optional[Any]:
+    """The pipe the launcher passed in ``name``, kept from the script's own children."""
+    fd = os.environ.pop(name, None)
+    if fd is None:
+        return None
+    try:
+        os.set_inheritable(int(fd), False)
+        return os.fdopen(int(fd), "w", encoding="utf-8")
+    except (OSError, ValueError):
+        return None
 
 
 def _as_rank(argv: list[str]) -> None:
-    """Entry point of one script rank: run it, and record a traceback if it fails."""
-    from distkit.local.worker import _set_parent_death_signal
+    """Entry point of one script rank: run it; hand a failure's traceback to the launcher.
 
-    _set_parent_death_signal()
+    The launcher prints the traceback (once, from the script's own frames on); this
+    rank prints it itself only when it cannot hand it over.
+    """
+    me = os.getpid()
+    errors = _channel("DISTKIT_ERROR_FD")
+    stacks = _channel("DISTKIT_STACK_FD")
+    if stacks is not None:
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     module = argv[0] == "--module"
     target = argv[1] if module else argv[0]
     rest = argv[2:] if module else argv[1:]
@@ -160,17 +524,27 @@ def _as_rank(argv: list[str]) -> None:
     except SystemExit:
         raise
     except BaseException as exc:
-        import traceback
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        if interrupted:  # a second Ctrl-C must not cut this report short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if errors is None or os.getpid() != me or not _hand_over(errors, exc, interrupted):
+            raise  # not the rank itself (a child it forked), or no launcher to tell
+        sys.exit(INTERRUPTED if interrupted else 1)
 
-        path = os.environ.get("DISTKIT_ERROR_FILE")
-        if path:
-            tb = exc.__traceback__
-            while tb is not None and _launcher_frame(tb.tb_frame.f_code.co_filename):
-                tb = tb.tb_next  # start the report at the script's own frames
-            text = "".join(traceback.format_exception(type(exc), exc, tb))
-            with open(path, "w") as f:
-                json.dump({"traceback": text}, f)
-        raise
+
+def _hand_over(errors: Any, exc: BaseException, interrupted: bool) -> bool:
+    import traceback
+
+    tb = exc.__traceback__
+    while tb is not None and _launcher_frame(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next  # start the report at the script's own frames
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        json.dump({"traceback": text, "interrupted": interrupted}, errors)
+        errors.close()
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _launcher_frame(filename: str) -> bool:

@@ -1,9 +1,11 @@
 """The loop each rank process of a :class:`~distkit.local.pool.RankPool` runs.
 
 A worker joins a gloo world through a FileStore (no ports), then runs the tasks the
-parent sends, one at a time, and answers each with its result or its traceback. Between
-tasks it puts back what a task may have changed (environment variables, distkit
-settings, cached groups). If the parent goes away, so does the worker.
+parent sends, one at a time, and answers each with its result or its traceback. After
+each task, when the parent says every rank has answered, the ranks meet in a barrier and
+put back what the task may have changed (environment variables, distkit settings,
+cached groups); a rank that cannot meet the others reports the world broken. If the
+parent goes away, so does the worker.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import importlib
 import io
 import os
 import pickle
+import select
 import signal
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 @dataclass
@@ -68,17 +73,82 @@ class Failure:
             return None
 
 
-def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphans)."""
+PR_SET_PDEATHSIG = 1
+
+
+def _prctl() -> Optional[Callable[..., int]]:
+    """libc's ``prctl`` on Linux, else ``None``."""
     if not sys.platform.startswith("linux"):
-        return
+        return None
     try:
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def die_with_parent(parent: Optional[int]) -> Callable[[], None]:
+    """A function that makes the process calling it die (SIGKILL) when its parent dies.
+
+    Linux only asks this of a parent that is still alive: when ``parent`` (the pid that
+    started this process) is already gone by then, the process is an orphan and the
+    function exits it at once. ``prctl`` is looked up here, in the parent, so the result
+    is safe as ``subprocess.Popen(preexec_fn=...)``, where it runs before the child's
+    program does: no window in which a SIGKILLed launcher leaves a rank behind.
+
+    Args:
+        parent: The pid this process was started by, or ``None`` to skip that check.
+
+    Returns:
+        The function to call in the child.
+    """
+    prctl = _prctl()
+
+    def apply() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if parent is not None and os.getppid() != parent:
+            os._exit(1)  # the parent died before the request: nobody would kill us
+
+    return apply
+
+
+def _exit_with(owner: int) -> None:
+    """SIGKILL this process once ``owner`` has exited (a thread waits on its pidfd).
+
+    For ranks started by a fork server, whose parent is that server and not the pool's
+    owner: the server outlives the owner as long as any of its children does (each
+    holds the pipe the server watches), so a death signal tied to it never comes.
+    """
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(owner)
+        except ProcessLookupError:
+            pass  # already gone
+        except (AttributeError, OSError):  # no pidfd (old kernel): look every half second
+            while _running(owner):
+                time.sleep(0.5)
+        else:
+            select.select([fd], [], [])  # readable once the owner has exited
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="distkit-owner-watch", daemon=True).start()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:  # no /proc here
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def _init_world(rank: int, size: int, backend: str, store_path: str, timeout: float) -> None:
@@ -99,6 +169,37 @@ def _reset(env: dict[str, str]) -> None:
     hygiene.reset_state()
 
 
+def _settle(world: Any, env: dict[str, str], timeout: float) -> Optional[str]:
+    """Meet the other ranks after a task, then reset; say why not if that fails.
+
+    Every rank has finished the task when the barrier returns, so destroying the task's
+    groups cannot cut a slower rank off while it is still connecting to them. A barrier
+    that fails or times out means the world itself is broken (gloo closes a connection
+    whose collective timed out, and the next task would fail on it).
+
+    Returns:
+        ``None`` when the world is healthy and reset, else what went wrong.
+    """
+    import torch.distributed as td
+
+    from distkit import _registry
+
+    if _registry.current._default_pg is not world:
+        return "the task destroyed or replaced the default process group"
+    try:
+        if td.get_backend(world) == "gloo":  # a barrier with a timeout of its own
+            td.monitored_barrier(world, timeout=timedelta(seconds=timeout))
+        else:
+            td.barrier(world)  # the parent's own deadline bounds this one
+    except Exception as exc:
+        return f"the ranks could not meet after the task: {exc}"
+    try:
+        _reset(env)
+    except Exception as exc:
+        return f"the reset after the task failed: {exc!r}"
+    return None
+
+
 def _run_task(rank: int, fn: Any, args: tuple, kwargs: dict) -> tuple:
     """Run one task; return ``(kind, value, output)`` ready to send to the parent."""
     out = io.StringIO()
@@ -117,7 +218,10 @@ def _run_task(rank: int, fn: Any, args: tuple, kwargs: dict) -> tuple:
             exc_bytes: Optional[bytes] = pickle.dumps(exc)
         except Exception:
             exc_bytes = None
-        failure = Failure(rank, type(exc).__name__, str(exc), traceback.format_exc(), exc_bytes)
+        # start at the task's own frames: this function's frame is the same in every report
+        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        failure = Failure(rank, type(exc).__name__, str(exc), text, exc_bytes)
         reply = ("error", failure, out.getvalue())
     return reply
 
@@ -151,8 +255,14 @@ def main(
     pg_timeout: float,
     env: dict[str, str],
     first_task: Optional[tuple] = None,
+    owner: Optional[int] = None,
 ) -> None:
-    _set_parent_death_signal()
+    # No orphans: die with the parent, and with the pool's owner when that is another
+    # process (a fork server); a parent that died before this line is caught here too.
+    direct = owner is not None and os.getppid() == owner
+    die_with_parent(owner if direct else None)()
+    if owner is not None and not direct:
+        _exit_with(owner)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
     stack_file = open(stack_path, "w")
@@ -168,10 +278,9 @@ def main(
 
     world = _registry.current._default_pg
     baseline_env = dict(os.environ)
-    task_id = 0
     while True:
         if first_task is not None:
-            fn, args, kwargs = first_task
+            task_id, fn, args, kwargs = first_task
             first_task = None
         else:
             try:
@@ -180,6 +289,9 @@ def main(
                 return
             if message[0] == "stop":
                 break
+            if message[0] == "settle":
+                conn.send(("settled", _settle(world, baseline_env, message[1])))
+                continue
             _, task_id, payload = message
             try:
                 fn, args, kwargs, path = pickle.loads(payload)
@@ -188,11 +300,6 @@ def main(
                 fn, args, kwargs = _raiser(exc), (), {}
         kind, value, output = _run_task(rank, fn, args, kwargs)
         intact = _registry.current._default_pg is world and world is not None
-        try:
-            if intact:
-                _reset(baseline_env)
-        except Exception:
-            intact = False
         conn.send((kind, task_id, value, output, intact))
     with contextlib.suppress(Exception):
         import torch.distributed as td

@@ -76,6 +76,7 @@ def run_in_world(
     Returns:
         One result per rank (a list of one for ``world_size=0``).
     """
+    __tracebackhide__ = True  # pytest starts a failure's report at the ranks' errors
     if world_size == 0:
         from distkit import _registry
 
@@ -113,6 +114,7 @@ def ranks(
 
         @functools.wraps(body)
         def test(distkit_world: int, **fixtures: Any) -> None:
+            __tracebackhide__ = True
             run_in_world(test, distkit_world, timeout=timeout, backend=backend, **fixtures)
 
         world = inspect.Parameter("distkit_world", inspect.Parameter.KEYWORD_ONLY)
