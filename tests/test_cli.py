@@ -62,4 +62,5 @@ def test_cli_bench_quick_is_a_smoke_test():
     took = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr
     assert "all_gather_object" in proc.stdout and "get_rank()" in proc.stdout
-    assert took < 60, f"bench --quick took {took:.0f} s"
+    # about 15 s on a quiet 2-core machine (it took over 2 minutes); room for a busy one
+    assert took < 45, f"bench --quick took {took:.0f} s"

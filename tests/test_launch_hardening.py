@@ -112,7 +112,8 @@ def test_a_rank_that_raised_is_first_even_if_it_exits_last(tmp_path):
     mark = uuid.uuid4().hex
     code, _, err = finish(launch_cli(tmp_path, mark, SLOW_TO_EXIT, "-n", "2"))
     assert code == 1, err
-    assert first_failure(err) == "distkit launch: rank 1 of 2 failed first (exit code 1)", err
+    # (under load its exit may come after the others were stopped: its "how" varies)
+    assert first_failure(err).startswith("distkit launch: rank 1 of 2 failed first ("), err
     assert "rank 0 of 2 failed too" in err
     no_survivors(mark, tmp_path)
 

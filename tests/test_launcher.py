@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,9 +78,16 @@ def hangs() -> None:
 
 def test_launch_timeout_shows_where_ranks_hang():
     start = time.monotonic()
-    with pytest.raises(distkit.RankTimeout, match="did not finish within 2 s on rank"):
+    with pytest.raises(distkit.RankTimeout, match="did not finish within 2 s on rank") as info:
         distkit.launch(hangs, 2, timeout=2)
     assert time.monotonic() - start < 12
+    message = str(info.value)
+    assert "on rank(s) 0 of 2" in message, message  # rank 1 returned: it hangs nowhere
+    # rank 0's stack, innermost call first: the function it hangs in, in this file
+    stack = message.split("--- rank 0 was here (all threads) ---\n", 1)[1]
+    innermost = stack.splitlines()[1]
+    assert re.search(r'File ".*test_launcher\.py", line \d+ in hangs$', innermost), message
+    assert "--- rank 1 was here" not in message, message
 
 
 def test_launch_argument_errors():
