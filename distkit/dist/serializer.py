@@ -2,8 +2,9 @@
 
 ``pickle`` (the default, as in torch and mmengine) loads anything, including objects
 whose unpickling runs code. ``safe`` loads plain data only: builtin containers and
-scalars, tensors, NumPy arrays, ``datetime``, ``Decimal``, ``Fraction``,
-``torch.Size``/``device``/``dtype``, and the classes a process allows.
+scalars, tensors, NumPy arrays of plain numbers, ``datetime``, ``Decimal``, ``Fraction``,
+``torch.Size``/``device``/``dtype``, and the classes a process allows. What ``safe``
+guarantees, and what it does not, is written down in :mod:`distkit.dist._safe`.
 """
 
 from __future__ import annotations
@@ -23,27 +24,20 @@ SERIALIZERS = ("pickle", "safe")
 #: shortcuts step aside, and the checked path raises the error many ranks would.
 ENV_OK = _settings.default("serializer") in SERIALIZERS
 
-#: Globals the safe serializer loads: plain data only. Nothing here runs code of the
-#: sender's choosing when called with the arguments a pickle can give it.
+#: Globals the safe serializer loads, by name. None of them reaches the unpickler as
+#: itself: :mod:`distkit.dist._safe` checks every call's arguments first (see
+#: :mod:`distkit.dist._plain`), and NumPy's own
+#: globals are not here at all (distkit's encoder sends arrays through its own checked
+#: constructors). ``torch.<dtype>`` names are allowed as well (see :func:`allowed`).
 _BUILTINS = "bool bytearray bytes complex dict float frozenset int list range set slice str tuple"
-_NUMPY_MODULES = (
-    "numpy",
-    "numpy.core.multiarray",
-    "numpy._core.multiarray",
-    "numpy.core.numeric",
-    "numpy._core.numeric",
-)
 SAFE_GLOBALS = frozenset(
     [("builtins", n) for n in _BUILTINS.split()]
     + [("collections", n) for n in ("Counter", "OrderedDict", "defaultdict", "deque")]
     + [("datetime", n) for n in ("date", "datetime", "time", "timedelta", "timezone")]
     + [("decimal", "Decimal"), ("fractions", "Fraction")]
     + [("torch", "Size"), ("torch", "device")]
-    + [
-        (m, n)
-        for m in _NUMPY_MODULES
-        for n in ("dtype", "ndarray", "scalar", "_reconstruct", "_frombuffer")
-    ]
+    + [("distkit.dist._wire", "_tensor_ref")]
+    + [("distkit.dist._plain", n) for n in ("numpy_array", "numpy_scalar", "numpy_dtype")]
 )
 
 
@@ -58,6 +52,20 @@ class UnsafeObjectError(pickle.UnpicklingError):
     def __init__(self, message: str, rank: int = -1, global_name: str = "") -> None:
         super().__init__(message)
         self.rank = rank
+        self.global_name = global_name
+
+
+class Refused(Exception):
+    """Raised inside the decoder for a payload it will not decode; never reaches users.
+
+    :func:`distkit.dist._wire.decode` turns it into :class:`UnsafeObjectError` (the
+    ``safe`` serializer) or ``pickle.UnpicklingError`` (``pickle``), naming the sender.
+    ``global_name`` is set when a global was refused.
+    """
+
+    def __init__(self, reason: str, global_name: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
         self.global_name = global_name
 
 
@@ -135,11 +143,33 @@ def resolve(serializer: Optional[str], fn: str, comm: Comm) -> str:
 
 
 def allowed(module: str, name: str) -> bool:
-    """Whether the safe serializer may load the global ``module.name``."""
-    if (module, name) in SAFE_GLOBALS or (module, name) in _settings.get("safe_allow"):
-        return True
-    if module == "torch":  # torch.float32 and friends
+    """Whether the safe serializer may load the global ``module.name``.
+
+    Decided by the name alone: nothing is imported or looked up to refuse a global
+    (``getattr(torch, "_dynamo")`` alone imports hundreds of modules).
+    """
+    return (
+        (module, name) in SAFE_GLOBALS
+        or (module, name) in _settings.get("safe_allow")
+        or (module == "torch" and name in torch_dtypes())
+    )
+
+
+def user_classes() -> frozenset[tuple[str, str]]:
+    """The ``(module, qualname)`` pairs this process allowed with :func:`set_serializer`."""
+    return frozenset(_settings.get("safe_allow"))
+
+
+_DTYPES: dict[str, Any] = {}
+
+
+def torch_dtypes() -> dict[str, Any]:
+    """``torch.<name>`` dtypes by name (``float32``, ``bfloat16``, ...), read once.
+
+    Read from ``vars(torch)``, which never runs torch's lazy ``__getattr__``.
+    """
+    if not _DTYPES:
         import torch
 
-        return isinstance(getattr(torch, name, None), torch.dtype)
-    return False
+        _DTYPES.update((n, v) for n, v in vars(torch).items() if isinstance(v, torch.dtype))
+    return _DTYPES
