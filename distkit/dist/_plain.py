@@ -16,7 +16,6 @@ import datetime
 import decimal
 import fractions
 import functools
-import math
 import re
 from typing import Any, Callable, NoReturn
 
@@ -322,12 +321,22 @@ _NUMPY_DTYPE = re.compile(r"[<>|=][biufcmMSU]\d{1,10}(?:\[\d{0,6}[a-zA-Z]{1,2}\]
 
 def numpy_dtype(name: str) -> Any:
     """``numpy.dtype(name)`` for the dtypes of :data:`NUMPY_KINDS` only (a wire global)."""
+    if type(name) is str:
+        dtype = _DTYPES.get(name)
+        if dtype is not None:
+            return dtype
     if type(name) is not str or not _NUMPY_DTYPE.fullmatch(name):
         _fail(f"NumPy dtypes of plain data only ({NUMPY_KINDS}), got {name!r}")
-    return _numpy_dtype(name)
+    dtype = _numpy_dtype(name)
+    if len(_DTYPES) < 256:  # a sender cannot grow the cache without bound
+        _DTYPES[name] = dtype
+    return dtype
 
 
-@functools.lru_cache(maxsize=256)
+#: The dtypes :func:`numpy_dtype` checked, by name.
+_DTYPES: dict[str, Any] = {}
+
+
 def _numpy_dtype(name: str) -> Any:
     import numpy as np
 
@@ -356,40 +365,62 @@ def _plain_bytes(value: Any, nbytes: int, what: str) -> memoryview:
 
 
 def _bools(view: memoryview, dtype: Any, what: str) -> None:
-    if dtype.kind == "b" and view.nbytes and max(view.cast("B")) > 1:
+    if dtype.kind == "b" and bytes(view).translate(None, b"\x00\x01"):
         _fail(f"{what} of bools holds a byte that is neither 0 nor 1")
 
 
 def _array_args(dtype: Any, shape: Any, order: Any, buffer: Any) -> tuple[Any, memoryview]:
     dt = numpy_dtype(dtype)
-    if (
-        type(shape) is not tuple
-        or len(shape) > MAX_DIMS
-        or any(type(d) is not int or d < 0 for d in shape)
-    ):
+    nbytes = dt.itemsize
+    if type(shape) is not tuple or len(shape) > MAX_DIMS:
         _fail(f"a NumPy shape is a tuple of at most {MAX_DIMS} sizes, got {shape!r}")
-    if order not in ("C", "F"):
+    for d in shape:
+        if type(d) is not int or d < 0:
+            _fail(f"a NumPy shape is a tuple of at most {MAX_DIMS} sizes, got {shape!r}")
+        nbytes *= d
+    if order != "C" and order != "F":  # a literal, or a stand-in (equal to nothing)
         _fail(f"a NumPy array's order is 'C' or 'F', got {order!r}")
-    view = _plain_bytes(buffer, math.prod(shape) * dt.itemsize, "a NumPy array")
+    view = _plain_bytes(buffer, nbytes, "a NumPy array")
     _bools(view, dt, "a NumPy array")
     return dt, view
 
 
 def numpy_array(dtype: str, shape: tuple, order: str, buffer: Any) -> Any:
     """An array of ``buffer``'s bytes, without a copy (a wire global; see the encoder)."""
-    import numpy as np
-
-    dt, _ = _array_args(dtype, shape, order, buffer)
-    return np.frombuffer(buffer, dtype=dt).reshape(shape, order=order)  # type: ignore[call-overload]
+    _array_args(dtype, shape, order, buffer)
+    return _build_array(dtype, shape, order, buffer)
 
 
 def numpy_scalar(dtype: str, data: bytes) -> Any:
     """A NumPy scalar of ``data``'s bytes (a wire global; see the encoder)."""
+    _check_numpy_scalar(dtype, data)
+    return _build_scalar(dtype, data)
+
+
+def _build_array(dtype: str, shape: tuple, order: str, buffer: Any) -> Any:
+    """:func:`numpy_array` for arguments already checked (the second unpickling)."""
     import numpy as np
 
-    dt = numpy_dtype(dtype)
-    _bools(_plain_bytes(data, dt.itemsize, "a NumPy scalar"), dt, "a NumPy scalar")
-    return np.frombuffer(data, dtype=dt)[0]
+    return np.ndarray(shape, _DTYPES.get(dtype) or numpy_dtype(dtype), buffer, order=order)
+
+
+_SCALAR: list = []
+
+
+def _build_scalar(dtype: str, data: bytes) -> Any:
+    """:func:`numpy_scalar` for arguments already checked (the second unpickling):
+    NumPy's own scalar constructor, given a plain dtype and exactly its bytes."""
+    if not _SCALAR:
+        try:
+            from numpy._core.multiarray import scalar
+        except ImportError:  # NumPy 1.x
+            from numpy.core.multiarray import scalar  # type: ignore[no-redef]
+        _SCALAR.append(scalar)
+    return _SCALAR[0](_DTYPES.get(dtype) or numpy_dtype(dtype), data)
+
+
+#: The builders of the wire globals above, for payloads that were checked or are trusted.
+BUILDERS = {"numpy_array": _build_array, "numpy_scalar": _build_scalar}
 
 
 def _check_numpy_array(*args: Any) -> None:
@@ -400,6 +431,8 @@ def _check_numpy_array(*args: Any) -> None:
 def _check_numpy_scalar(*args: Any) -> None:
     _nargs("numpy_scalar", args, 2, 2)
     dt = numpy_dtype(args[0])
+    if type(args[1]) is not bytes:
+        _fail(f"a NumPy scalar takes bytes, got {_describe(_kind(args[1]))}")
     _bools(_plain_bytes(args[1], dt.itemsize, "a NumPy scalar"), dt, "a NumPy scalar")
 
 
@@ -445,8 +478,9 @@ CONSTRUCTORS: dict[tuple[str, str], tuple[Any, Callable[..., None], Any, str]] =
         "SETITEM",
     ),
     ("collections", "deque"): (collections.deque, _check_deque, collections.deque, "APPEND"),
-    ("distkit.dist._plain", "numpy_array"): (numpy_array, _check_numpy_array, "ndarray", ""),
-    ("distkit.dist._plain", "numpy_scalar"): (numpy_scalar, _check_numpy_scalar, "scalar", ""),
+    # checked on the first unpickling: the second builds without checking again
+    ("distkit.dist._plain", "numpy_array"): (_build_array, _check_numpy_array, "ndarray", ""),
+    ("distkit.dist._plain", "numpy_scalar"): (_build_scalar, _check_numpy_scalar, "scalar", ""),
     ("distkit.dist._plain", "numpy_dtype"): (numpy_dtype, _check_numpy_dtype, "dtype", ""),
 }
 
