@@ -36,6 +36,7 @@ from helpers_safe import (
     encoded,
     fragment,
     frame,
+    numpy_object_pointer,
     probe,
     tensor_ref,
 )
@@ -43,6 +44,7 @@ from helpers_subprocess import run
 
 import distkit.dist as dist
 from distkit.dist import _safe, _wire
+from distkit.testing import ranks
 
 try:
     from numpy._core import multiarray, numeric
@@ -441,3 +443,55 @@ def test_tuples_nested_beyond_the_stack_cap_are_refused(monkeypatch):
     monkeypatch.setattr(_opcodes, "MAX_STACK", 16 << 20)  # room for about 60k levels
     skeleton = PROTO + EMPTY_DICT + b")" + b"\x85" * 100_000 + NONE + SETITEM + STOP
     refused(frame(skeleton), match="nest tuples")
+
+
+# -- through the collectives: max_bytes, and hostile payloads from another rank ----------
+
+
+def test_max_bytes_setting_is_read_by_the_decoder_and_checked():
+    from distkit import _settings
+
+    payload = encoded([{"a": i} for i in range(1000)])
+    try:
+        dist.set_serializer("safe", max_bytes=payload.cpu.numel())
+        refused(payload, match="max_bytes")
+        dist.set_serializer("safe", max_bytes=1 << 30)
+        assert len(safe(payload)) == 1000
+        for bad in (0, -1, 1.5, "1"):
+            with pytest.raises(ValueError, match="max_bytes"):
+                dist.set_serializer("safe", max_bytes=bad)
+    finally:
+        _settings.reset()
+
+
+@ranks(2, timeout=120)
+def test_hostile_payloads_from_another_rank_are_refused_on_the_receiver():
+    from distkit import _settings
+
+    rank = dist.get_rank()
+    hostile = [
+        Reduce(bytearray, (2_000_000_000,)),
+        Reduce(bytes, (2_000_000_000,)),
+        Reduce(list, (range(200_000_000),)),
+        numpy_object_pointer(id(print)),
+    ]
+    try:
+        dist.set_serializer("safe")
+        for payload in hostile:
+            if rank == 0:
+                with pytest.raises(dist.UnsafeObjectError, match="rank 1") as info:
+                    dist.broadcast_object(None, src=1)
+                assert info.value.rank == 1
+            else:
+                assert dist.broadcast_object(payload, src=1) is payload  # the sender's own
+        # plain data still travels, and max_bytes bounds what a receiver takes
+        rows = [{"loss": i * 0.5, "step": i} for i in range(2000)]
+        assert dist.broadcast_object(rows if rank == 1 else None, src=1) == rows
+        dist.set_serializer("safe", max_bytes=10_000)
+        if rank == 0:
+            with pytest.raises(dist.UnsafeObjectError, match="max_bytes"):
+                dist.broadcast_object(None, src=1)
+        else:
+            assert dist.broadcast_object(rows, src=1) is rows
+    finally:
+        _settings.reset()

@@ -401,7 +401,8 @@ def _build_array(dtype: str, shape: tuple, order: str, buffer: Any) -> Any:
     """:func:`numpy_array` for arguments already checked (the second unpickling)."""
     import numpy as np
 
-    return np.ndarray(shape, _DTYPES.get(dtype) or numpy_dtype(dtype), buffer, order=order)
+    dt = _DTYPES.get(dtype) or numpy_dtype(dtype)
+    return np.ndarray(shape, dt, buffer, order=order)  # type: ignore[arg-type]
 
 
 _SCALAR: list = []

@@ -1,77 +1,9 @@
 """The safe serializer: decoding what ranks that may be hostile send.
 
-``serializer="safe"`` decodes another rank's object without trusting that rank. This
-module keeps that promise, and this docstring states it.
+``serializer="safe"`` decodes another rank's object without trusting that rank.
 
-Threat model
-------------
-Another rank (or anything able to write into the job's collectives) may send any bytes.
-Whatever the bytes, decoding them with the safe serializer:
-
-- **Runs no code of the sender's choosing.** A payload can name only the globals in
-  :data:`~distkit.dist.serializer.SAFE_GLOBALS`, ``torch.<dtype>`` and the classes the
-  process allowed, checked by name: nothing is imported or looked up to refuse one. Every
-  call a payload makes is first made against a stand-in that checks its arguments
-  (plain ints, strings and bytes of bounded size; see *How*). NumPy's own globals
-  (``_reconstruct``, ``dtype`` and its state, ``scalar``) are never loaded: distkit's
-  encoder sends arrays, scalars and dtypes through its own constructors
-  (:mod:`distkit.dist._plain`).
-- **Corrupts no memory.** NumPy data is of fixed-size bool, integer, float, complex,
-  datetime, timedelta, bytes or unicode dtypes only, never object, structured or void
-  ones (an object dtype reads received bytes as pointers). The shape of an array or a
-  tensor must cover exactly the bytes received for it (never uninitialised memory), a
-  tensor's blob is handed out once, and bool data holds only 0 and 1. What the decoder
-  builds cannot be changed by the pickle afterwards: no ``BUILD`` (``__setstate__``),
-  ``SETITEM``, ``APPEND`` or ``ADDITEMS`` on tensors, arrays, classes or other built
-  values (a tensor's ``__setstate__`` can resize the receive buffer under the other views
-  of it). A payload that may nest tuples deeper than
-  :data:`~distkit.dist._opcodes.SHALLOW` (CPython hashes a tuple recursively in C, and a
-  dict key nested a million deep overflows the stack) is unpickled on a thread whose
-  stack holds it.
-- **Allocates in proportion to what it received**: at most :data:`EXPANSION` bytes of
-  memory per byte received (CPU and device parts together), or ``max_bytes`` in all when
-  the caller gives it, checked before allocating. No constructor takes a size from the
-  sender (``bytearray(n)``, ``bytes(n)``, ``list(range(n))``, ``int('9' * n)``,
-  ``Decimal('1e999999999')``, ``Fraction('1e999999')``, ``deque(range(n))`` are
-  refused); tensor and array data are views of the receive buffer (one copy when a
-  tensor moves to another device, charged first); and the opcodes with which a few bytes
-  make CPython's unpickler allocate gigabytes (``LONG_BINPUT 2**31`` grows its memo to
-  32 GiB; a byte count past the end of the payload is allocated before it is read) are
-  refused by a scan before the unpickler runs. What is left is the pickle machine itself,
-  which makes at most :data:`VM_BYTES_PER_BYTE` bytes of objects per byte of pickle (the
-  worst case is a run of empty sets); that is charged up front.
-- **Builds only listed types**: builtin scalars and containers, tensors and
-  ``nn.Parameter``, NumPy arrays, scalars and dtypes of the dtypes above, ``datetime``,
-  ``date``, ``time``, ``timedelta``, ``timezone``, ``Decimal``, ``Fraction``,
-  ``OrderedDict``, ``defaultdict``, ``Counter``, ``deque``, ``range``, ``slice``,
-  ``torch.Size``/``device``/``dtype``, ``memoryview`` (an out-of-band buffer: received
-  bytes), and the allowed classes.
-
-It does not:
-
-- **authenticate ranks**: whoever joins the process group or writes to its store is a
-  rank; the safe serializer only limits what a rank's bytes can do once received;
-- **check values**: a rank can send wrong numbers, tensors of shapes your code does not
-  expect, or not take part at all (the collective then times out);
-- **bound what is proportionate**: a rank can send a large payload (taking up to
-  :data:`EXPANSION` times its size) or one that is slow to decode (CPU time is not
-  bounded; integer dict keys crafted to collide in their hashes take quadratic time);
-  and a received tuple may nest as deep as its payload allows (hashing one nested more
-  than about 100k deep crashes CPython on a default stack, in any code);
-- **protect the ``pickle`` serializer**, which trusts peers completely: a ``pickle``
-  payload can run any code on the receiving rank.
-
-Allowed classes. ``set_serializer("safe", allow=[...])`` lets a payload name a class, and
-the safe serializer then does with it what pickle does: ``cls.__new__(cls, *args)``
-(``**kwargs`` too with ``NEWOBJ_EX``) or ``cls(*args)``, then ``__setstate__(state)`` or an
-update of the instance ``__dict__`` (``setattr`` for slots), and ``append``/``extend``,
-``add`` or ``__setitem__`` for items, all with arguments that are checked plain data (or
-other allowed objects). That is the code you vouch for by allowing a class: those
-methods, and ``__hash__``/``__eq__`` if its instances are dict keys, run with values of
-the sender's choosing, and what they allocate is not bounded. A dataclass or namedtuple of
-plain fields is safe; a class whose constructor opens files, imports modules or evaluates
-strings is not. The class itself cannot be changed (no ``BUILD`` on it), and it may be
-built on another thread (see the deep tuples above).
+What the safe serializer guarantees, and what it does not, is written down once, in
+:mod:`distkit.dist.serializer`; this module keeps those promises.
 
 How
 ---

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, NoReturn, Optional
 import torch
 from torch import Tensor
 
+from distkit import _settings
 from distkit._compat import accelerator_current_index
 from distkit.dist import _pickling, _plain, _safe, serializer
 from distkit.dist.serializer import Refused, UnsafeObjectError
@@ -481,6 +482,7 @@ def decode(
         fn: The collective, for messages.
         comm: This rank's group, for messages.
         max_bytes: Under ``safe``, the most the decoded object may allocate; ``None``:
+            the process's setting (:func:`~distkit.dist.set_serializer`), else
             ``_safe.EXPANSION`` times the bytes received.
 
     Raises:
@@ -497,6 +499,8 @@ def decode(
         if not safe:
             stream = io.BytesIO(parts.skeleton)
             return _Decoder(stream, parts.buffers, blobs.reference).load()
+        if max_bytes is None:
+            max_bytes = _settings.get("safe_max_bytes")
         if max_bytes is None:
             budget = _safe.Budget(
                 _safe.EXPANSION * parts.received,
