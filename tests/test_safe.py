@@ -165,12 +165,29 @@ def test_numpy_arrays_scalars_and_dtypes_of_plain_data_still_decode():
         pytest.param(("|b1", (2,), "C", b"\x00\x02"), id="bool-not-0-or-1"),
         pytest.param(("<U1000000000", (1,), "C", b"\0" * 8), id="huge-itemsize"),
         pytest.param(("<f8", (1,), "C", "12345678"), id="buffer-is-a-str"),
+        pytest.param(("<U1", (1,), "C", b"\xff\xff\xff\xff"), id="unicode-beyond-range"),
     ],
 )
 def test_numpy_array_constructor_checks_its_arguments(args):
     from distkit.dist import _plain
 
     refused(encoded(Reduce(_plain.numpy_array, args)))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(("O", b"\0" * 8), id="object"),
+        pytest.param(("<f8", b"\0" * 4), id="too-few-bytes"),
+        pytest.param(("<f8", bytearray(8)), id="not-bytes"),
+        pytest.param(("|b1", b"\x05"), id="bool-not-0-or-1"),
+        pytest.param((">U1", b"\x00\x11\x00\x00"), id="unicode-beyond-range"),
+    ],
+)
+def test_numpy_scalar_constructor_checks_its_arguments(args):
+    from distkit.dist import _plain
+
+    refused(encoded(Reduce(_plain.numpy_scalar, args)))
 
 
 # -- allocation: no constructor takes a size from the sender ----------------------------

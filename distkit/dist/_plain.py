@@ -365,8 +365,17 @@ def _plain_bytes(value: Any, nbytes: int, what: str) -> memoryview:
 
 
 def _bools(view: memoryview, dtype: Any, what: str) -> None:
-    if dtype.kind == "b" and bytes(view).translate(None, b"\x00\x01"):
+    """Refuse bytes that are no value of ``dtype``: bools other than 0 and 1, and
+    unicode code points beyond U+10FFFF (NumPy raises ``SystemError`` reading them)."""
+    kind = dtype.kind
+    if kind == "b" and bytes(view).translate(None, b"\x00\x01"):
         _fail(f"{what} of bools holds a byte that is neither 0 nor 1")
+    if kind == "U" and view.nbytes:
+        import numpy as np
+
+        units = np.frombuffer(view, dtype=dtype.byteorder.replace("|", "=") + "u4")
+        if int(units.max()) > 0x10FFFF:
+            _fail(f"{what} of unicode holds a code point beyond U+10FFFF")
 
 
 def _array_args(dtype: Any, shape: Any, order: Any, buffer: Any) -> tuple[Any, memoryview]:
