@@ -3,7 +3,7 @@
 CPython's unpickler trusts a few opcodes' arguments with memory before it has read them:
 ``LONG_BINPUT 2**31`` (5 bytes) makes it allocate and zero a 32 GiB memo, a byte count
 beyond the end of the payload is allocated before the read fails, and a tuple nested a
-million deep crashes it when the tuple is hashed (a dict key). :func:`check` rules these
+million deep crashes it when the tuple is hashed (a dict key). :func:`scan` rules these
 out before the unpickler sees a byte, at the speed of a regular expression; see
 :mod:`distkit.dist._safe` for the rest of the safe serializer.
 """
