@@ -19,6 +19,9 @@ _DEFAULTS: dict[str, Any] = {
     "serializer": os.environ.get("DISTKIT_SERIALIZER", "pickle"),
     # classes the safe serializer may load, as (module, qualname) pairs
     "safe_allow": frozenset(),
+    # the most bytes an object decoded by the safe serializer may take (None: 256 per
+    # byte received)
+    "safe_max_bytes": None,
     # cross-rank checks before every collective (DISTKIT_DEBUG=1)
     "debug": _flag("DISTKIT_DEBUG"),
     # seconds a timed-out rank waits for the others to post where they are

@@ -17,6 +17,14 @@ Device blobs (tensors on the group's accelerator, e.g. CUDA under nccl) are pack
 same way into ``Encoded.dev``, a uint8 tensor on that device, so they move through the
 accelerator's own collectives. Decoding makes no copy of tensor data: received tensors
 are views of the receive buffer (call ``.clone()`` to detach one from it).
+
+NumPy arrays, scalars and dtypes of plain data pickle as calls to distkit's own checked
+constructors (:func:`distkit.dist._plain.numpy_array` and friends), never to NumPy's own
+``_reconstruct``/``scalar``/``dtype`` globals, so the safe serializer never loads those.
+
+Decoding checks the header and the blob table against the bytes received, and each tensor
+reference against its blob, with either serializer: a malformed payload raises
+``pickle.UnpicklingError`` naming the sender (``UnsafeObjectError`` under ``safe``).
 """
 
 from __future__ import annotations
@@ -25,14 +33,16 @@ import ctypes
 import io
 import pickle
 import struct
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Optional
+import sys
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, NoReturn, Optional
 
 import torch
 from torch import Tensor
 
+from distkit import _settings
 from distkit._compat import accelerator_current_index
-from distkit.dist import _pickling, serializer
-from distkit.dist.serializer import UnsafeObjectError
+from distkit.dist import _pickling, _plain, _safe, serializer
+from distkit.dist.serializer import Refused, UnsafeObjectError
 
 if TYPE_CHECKING:
     from distkit.dist._comm import Comm
@@ -100,6 +110,12 @@ class _Encoder(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
+        if cls in _REDUCERS:
+            reducer = _REDUCERS[cls]
+        else:
+            reducer = _REDUCERS[cls] = _reducer(cls)
+        if reducer is not None:
+            return reducer(obj)
         if (cls is Tensor or cls is _PARAMETER) and _pickling.sendable(obj):
             index = len(self.blobs)
             self.blobs.append(obj)
@@ -115,6 +131,62 @@ class _Encoder(pickle.Pickler):
             )
             return _tensor_ref, meta
         return NotImplemented
+
+
+def _plain_dtype(dtype: Any) -> bool:
+    """A NumPy dtype of plain data (see :data:`distkit.dist._plain.NUMPY_KINDS`)."""
+    return (
+        dtype.kind in _plain.NUMPY_KINDS
+        and dtype.fields is None
+        and dtype.subdtype is None
+        and not dtype.hasobject
+        and dtype.itemsize > 0
+        and dtype.metadata is None
+    )
+
+
+def _reduce_array(array: Any) -> Any:
+    if not _plain_dtype(array.dtype):
+        return NotImplemented  # NumPy's own reduction: the safe serializer refuses it
+    import numpy as np
+
+    order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+    if not (array.flags.c_contiguous or array.flags.f_contiguous):
+        array = np.ascontiguousarray(array)
+    # A PickleBuffer travels out of band when large, in band (bytearray) when small,
+    # read-only if the array is: what NumPy's own protocol-5 reduction does. Datetimes
+    # export no buffer: their bytes travel as the int64s they are.
+    buffer = pickle.PickleBuffer(array.view(np.int64) if array.dtype.kind in "mM" else array)
+    return _plain.numpy_array, (array.dtype.str, array.shape, order, buffer)
+
+
+def _reduce_scalar(scalar: Any) -> Any:
+    if not _plain_dtype(scalar.dtype):
+        return NotImplemented
+    return _plain.numpy_scalar, (scalar.dtype.str, scalar.tobytes())
+
+
+def _reduce_dtype(dtype: Any) -> Any:
+    if not _plain_dtype(dtype):
+        return NotImplemented
+    return _plain.numpy_dtype, (dtype.str,)
+
+
+#: The reducer of each class the encoder met (``None``: the default pickling).
+_REDUCERS: dict[type, Optional[Callable[[Any], Any]]] = {}
+
+
+def _reducer(cls: type) -> Optional[Callable[[Any], Any]]:
+    np = sys.modules.get("numpy")  # an object of NumPy's means NumPy is imported
+    if np is None or not cls.__module__.startswith("numpy"):
+        return None
+    if cls is np.ndarray:  # subclasses (matrix, masked, memmap) keep NumPy's pickling
+        return _reduce_array
+    if issubclass(cls, np.generic):
+        return _reduce_scalar
+    if issubclass(cls, np.dtype):
+        return _reduce_dtype
+    return None
 
 
 class Encoded(NamedTuple):
@@ -192,23 +264,177 @@ def encode(
 # -- decoding ----------------------------------------------------------------------
 
 
-class _Refused(Exception):
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
+class _Parts(NamedTuple):
+    """A received payload, its header checked against the bytes received."""
+
+    skeleton: bytes
+    spans: list  # per blob: (place, offset, size), within the part that holds it
+    buffers: list  # the out-of-band buffers: views of the receive buffer, or copies
+    received: int  # bytes received, CPU and device parts together
+    raw: memoryview  # the CPU part
+    copied: int  # bytes of out-of-band buffers copied out of the receive buffer
+
+
+def _parse(enc: Encoded) -> _Parts:
+    cpu, dev = enc
+    raw = bytes_view(cpu)
+    total, dev_total = len(raw), (dev.numel() if dev is not None else 0)
+    if total < HEADER_BYTES:
+        raise Refused(f"{total} bytes, shorter than distkit's {HEADER_BYTES}-byte header")
+    magic, skel_len, n_blobs, dev_bytes = struct.unpack_from("<4q", raw, 0)
+    if magic != MAGIC:
+        raise Refused("the payload does not start with distkit's header")
+    if not 0 <= n_blobs <= (total - HEADER_BYTES) // 16:
+        raise Refused(f"a table of {n_blobs} blobs does not fit in {total} bytes")
+    table_end = HEADER_BYTES + 16 * n_blobs
+    if not 0 <= skel_len <= total - table_end:
+        raise Refused(f"a skeleton of {skel_len} bytes does not fit in {total} bytes")
+    if dev_bytes != dev_total:
+        raise Refused(f"the header claims a device part of {dev_bytes} bytes, got {dev_total}")
+    table = struct.unpack_from(f"<{2 * n_blobs}q", raw, HEADER_BYTES)
+    cpu_off, dev_off = _align(table_end + skel_len), 0
+    spans: list = []
+    buffers: list[Any] = []
+    cpu_buffer, copied = cpu.untyped_storage().nbytes(), 0  # all the receive buffer holds
+    for i in range(n_blobs):
+        size, place = table[2 * i], table[2 * i + 1]
+        offset, limit = (dev_off, dev_total) if place == DEV_BLOB else (cpu_off, total)
+        if place not in (CPU_BLOB, DEV_BLOB, OOB_BLOB) or not 0 <= size <= limit - offset:
+            raise Refused(f"blob {i} (place {place}, {size} bytes) does not fit in the payload")
+        spans.append((place, offset, size))
+        if place == DEV_BLOB:
+            dev_off = _align(dev_off + size)
+        else:
+            if place == OOB_BLOB:
+                part = raw[offset : offset + size]
+                if _shares(size, cpu_buffer):
+                    buffers.append(part)
+                else:
+                    buffers.append(bytearray(part))
+                    copied += size
+            cpu_off = _align(cpu_off + size)
+    skeleton = bytes(raw[table_end : table_end + skel_len])
+    return _Parts(skeleton, spans, buffers, total + dev_total, raw, copied)
+
+
+#: Tensor dtypes a reference may name: torch's, by name, but for the quantized ones
+#: (their bytes mean nothing without scales).
+_QUANTIZED = frozenset(["qint8", "quint8", "qint32", "quint4x2", "quint2x4"])
+_TENSOR_DTYPES: dict[str, tuple[torch.dtype, int, bool]] = {}
+
+
+def _tensor_dtype(name: Any) -> Optional[tuple[torch.dtype, int, bool]]:
+    """``(dtype, itemsize, can require grad)`` of a tensor dtype's name, or ``None``."""
+    if not _TENSOR_DTYPES:
+        for n, dt in serializer.torch_dtypes().items():
+            if n not in _QUANTIZED:
+                _TENSOR_DTYPES[n] = (dt, dt.itemsize, dt.is_floating_point or dt.is_complex)
+    return _TENSOR_DTYPES.get(name) if type(name) is str else None
+
+
+class _Ref(NamedTuple):
+    blob: int
+    dtype: torch.dtype
+    shape: tuple
+    grad: bool
+    param: bool
+    dev_type: str
+
+
+class _Blobs(_safe.Tensors):
+    """The tensor blobs of one payload, handed out through checked tensor references."""
+
+    def __init__(self, enc: Encoded, parts: _Parts, map_location: Any, safe: bool) -> None:
+        self.cpu, self.dev = enc
+        self.raw = parts.raw
+        self.cpu_buffer = self.cpu.untyped_storage().nbytes()
+        self.spans = parts.spans
+        self.map_location = map_location
+        self.safe = safe
+        self.used: set[int] = set()
+        self.targets: dict[str, Optional[torch.device]] = {}
+
+    def check(self, args: tuple) -> _Ref:
+        if len(args) != 6:
+            raise Refused(f"a tensor reference takes 6 arguments, got {len(args)}")
+        index, name, shape, grad, param, dev_type = args
+        if type(index) is not int or not 0 <= index < len(self.spans) or index in self.used:
+            raise Refused(f"a tensor reference to blob {index!r} of {len(self.spans)}, or twice")
+        place, _, size = self.spans[index]
+        if place == OOB_BLOB:
+            raise Refused(f"a tensor reference to blob {index}, an out-of-band buffer")
+        kind = _tensor_dtype(name)
+        if kind is None:
+            raise Refused(f"a tensor reference names {name!r}, which is not a tensor dtype")
+        dtype, itemsize, can_grad = kind
+        if type(shape) is not tuple or len(shape) > _plain.MAX_DIMS:
+            raise Refused(f"a tensor shape is a tuple of sizes, got {shape!r}")
+        numel = span = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise Refused(f"a tensor shape is a tuple of sizes, got {shape!r}")
+            numel *= d
+            span *= max(d, 1)
+        if span >= 1 << 62:  # an empty tensor whose strides would overflow
+            raise Refused(f"a tensor shape of more than 2**62 places, got {shape!r}")
+        if numel * itemsize != size:
+            raise Refused(f"a {name} tensor of shape {shape} in blob {index} of {size} bytes")
+        if type(grad) is not bool or type(param) is not bool or (grad and not can_grad):
+            raise Refused(f"a {name} tensor's requires_grad ({grad!r}) or parameter flag")
+        if dev_type != "cpu" and not _plain.device_type(dev_type):
+            raise Refused(f"a tensor reference names {dev_type!r}, which is not a device type")
+        self.used.add(index)
+        return _Ref(index, dtype, shape, grad, param, dev_type)
+
+    def build(self, key: _Ref, budget: Optional[_safe.Budget]) -> Tensor:
+        index, dtype, shape, grad, param, dev_type = key
+        place, offset, size = self.spans[index]
+        source = self.dev if place == DEV_BLOB else self.cpu
+        if size == 0 or source is None:  # no bytes, and so no element: zeros all the same
+            device = source.device if source is not None else None
+            t = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            buffer = self.cpu_buffer if place != DEV_BLOB else source.untyped_storage().nbytes()
+            if _shares(size, buffer):  # most of the buffer: stays there, uncopied
+                if place == DEV_BLOB:
+                    t = source[offset : offset + size].view(dtype).view(shape)
+                else:  # a storage of its own over the receive buffer
+                    t = torch.frombuffer(self.raw[offset : offset + size], dtype=dtype)
+                    t = t.view(shape)
+            else:  # a small part: memory of its own, so it never keeps the rest alive
+                if budget is not None:
+                    budget.charge(size, f"copying tensor {index} out of the receive buffer")
+                t = source[offset : offset + size].clone().view(dtype).view(shape)
+        if self.safe and dtype is torch.bool and size and int(t.view(torch.uint8).max()) > 1:
+            raise Refused(f"the bool tensor in blob {index} holds a byte that is not 0 or 1")
+        if dev_type not in self.targets:
+            self.targets[dev_type] = _target_device(dev_type, self.map_location)
+        target = self.targets[dev_type]
+        if target is not None and t.device != target:
+            if budget is not None:
+                budget.charge(size, f"moving tensor {index} to {target}")
+            t = t.to(target)
+        if param:
+            return _PARAMETER(t, requires_grad=grad)
+        return t.requires_grad_(True) if grad else t
+
+    def reference(self, *args: Any) -> Tensor:
+        """The ``_tensor_ref`` global of the ``pickle`` serializer: check, then build."""
+        return self.build(self.check(args), None)
 
 
 class _Decoder(pickle.Unpickler):
-    def __init__(self, stream: Any, buffers: list, tensors: Any, safe: bool) -> None:
+    """The ``pickle`` serializer: any global, tensor references resolved to blobs."""
+
+    def __init__(self, stream: Any, buffers: list, tensors: Any) -> None:
         super().__init__(stream, buffers=buffers)
         self._tensors = tensors
-        self._safe = safe
 
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == "_tensor_ref":
             return self._tensors
-        if self._safe and not serializer.allowed(module, name):
-            raise _Refused(f"{module}.{name}")
+        if module == "distkit.dist._plain" and name in _plain.BUILDERS:
+            return _plain.BUILDERS[name]  # pickle trusts its peers: no checks to repeat
         return super().find_class(module, name)
 
 
@@ -217,6 +443,7 @@ def _target_device(sent_type: str, map_location: Optional[torch.device]) -> Opti
         return map_location
     if sent_type == "cpu":
         return None
+    # sent_type is a device type torch parsed (never "_dynamo": no lazy import here)
     module = getattr(torch, sent_type, None)
     if module is not None and getattr(module, "is_available", lambda: False)():
         return torch.device(sent_type, accelerator_current_index(sent_type))
@@ -243,75 +470,81 @@ def decode(
     sender: int = -1,
     fn: str = "decode",
     comm: Optional[Comm] = None,
+    max_bytes: Optional[int] = None,
 ) -> Any:
     """Rebuild an object from its encoded parts (tensors are views of ``enc``'s buffers).
 
+    Args:
+        enc: The parts received.
+        map_location: Where received tensors go (``None``: their own device type).
+        serializer_name: ``pickle`` or ``safe`` (see :mod:`distkit.dist._safe`).
+        sender: The sending rank, for messages.
+        fn: The collective, for messages.
+        comm: This rank's group, for messages.
+        max_bytes: Under ``safe``, the most the decoded object may allocate; ``None``:
+            the process's setting (:func:`~distkit.dist.set_serializer`), else
+            ``_safe.EXPANSION`` times the bytes received.
+
     Raises:
         UnsafeObjectError: ``serializer_name="safe"`` and the object needs a global
-            outside plain data and the allow-list; nothing of the object has run.
+            outside plain data and the allow-list, or anything else that plain data
+            never does; nothing of it was built.
+        pickle.UnpicklingError: the payload is malformed (``pickle`` serializer).
     """
-    cpu, dev = enc
-    raw = bytes_view(cpu)
-    magic, skel_len, n_blobs, _ = struct.unpack_from("<4q", raw, 0)
-    if magic != MAGIC:
-        raise pickle.UnpicklingError("payload does not start with distkit's header")
-    table_end = HEADER_BYTES + 16 * n_blobs
-    table = struct.unpack_from(f"<{2 * n_blobs}q", raw, HEADER_BYTES)
-    cpu_off = _align(table_end + skel_len)
-    dev_off = 0
-    spans = []
-    oob: list[Any] = []
-    cpu_buffer = cpu.untyped_storage().nbytes()  # all the receive buffer holds
-    for i in range(n_blobs):
-        size, place = table[2 * i], table[2 * i + 1]
-        if place == DEV_BLOB:
-            spans.append((place, dev_off, size))
-            dev_off = _align(dev_off + size)
-        else:
-            spans.append((place, cpu_off, size))
-            if place == OOB_BLOB:
-                part = raw[cpu_off : cpu_off + size]
-                oob.append(part if _shares(size, cpu_buffer) else bytearray(part))
-            cpu_off = _align(cpu_off + size)
-
-    def tensor(
-        index: int, dtype: str, shape: tuple, grad: bool, param: bool, dev_type: str
-    ) -> Tensor:
-        place, offset, size = spans[index]
-        dt = getattr(torch, dtype)
-        source = dev if place == DEV_BLOB else cpu
-        assert source is not None
-        if size == 0:
-            t = torch.zeros(shape, dtype=dt, device=source.device)
-        elif place == DEV_BLOB:
-            own = source[offset : offset + size]
-            if not _shares(size, source.untyped_storage().nbytes()):
-                own = own.clone()
-            t = own.view(dt).view(shape)
-        elif _shares(size, cpu_buffer):  # most of the buffer: a storage of its own over it
-            t = torch.frombuffer(raw[offset : offset + size], dtype=dt).view(shape)
-        else:  # a small part: memory of its own, so it never keeps the rest alive
-            t = source[offset : offset + size].clone().view(dt).view(shape)
-        target = _target_device(dev_type, map_location)
-        if target is not None and t.device != target:
-            t = t.to(target)
-        if param:
-            return _PARAMETER(t, requires_grad=grad)
-        return t.requires_grad_(True) if grad else t
-
-    stream = io.BytesIO(raw[table_end : table_end + skel_len])
+    safe = serializer_name == "safe"
+    where = f" (on rank {comm.rank} of {comm.size})" if comm is not None else ""
     try:
-        return _Decoder(stream, oob, tensor, serializer_name == "safe").load()
-    except _Refused as refused:
-        where = f" (on rank {comm.rank} of {comm.size})" if comm is not None else ""
-        raise UnsafeObjectError(
-            f"{fn}: rank {sender} sent an object that needs {refused.name}, which the safe "
-            f"serializer refuses{where}. Nothing of it was run. If rank {sender} is trusted "
-            f"and {refused.name} is a plain data class, allow it on every rank: "
-            f"dist.set_serializer('safe', allow=['{refused.name}'])",
-            sender,
-            refused.name,
+        parts = _parse(enc)
+        blobs = _Blobs(enc, parts, map_location, safe)
+        if not safe:
+            stream = io.BytesIO(parts.skeleton)
+            return _Decoder(stream, parts.buffers, blobs.reference).load()
+        if max_bytes is None:
+            max_bytes = _settings.get("safe_max_bytes")
+        if max_bytes is None:
+            budget = _safe.Budget(
+                _safe.EXPANSION * parts.received,
+                f"a payload of {parts.received} bytes may take ({_safe.EXPANSION} per byte)",
+            )
+        else:
+            budget = _safe.Budget(max_bytes, "max_bytes allows")
+        budget.charge(parts.copied, "copying small buffers out of the receive buffer")
+        return _safe.load(parts.skeleton, parts.buffers, blobs, budget)
+    except Refused as refused:
+        if safe and refused.global_name:
+            name = refused.global_name
+            raise UnsafeObjectError(
+                f"{fn}: rank {sender} sent an object that needs {name}, which the safe "
+                f"serializer refuses{where}. Nothing of it was run. If rank {sender} is trusted "
+                f"and {name} is a plain data class, allow it on every rank: "
+                f"dist.set_serializer('safe', allow=['{name}'])",
+                sender,
+                name,
+            ) from None
+        if safe:
+            raise UnsafeObjectError(
+                f"{fn}: rank {sender} sent an object that the safe serializer refuses{where}: "
+                f"{refused.reason}. Nothing of it was run.",
+                sender,
+            ) from None
+        raise pickle.UnpicklingError(
+            f"{fn}: rank {sender} sent an object that distkit cannot decode{where}: "
+            f"{refused.reason}"
         ) from None
+    except (pickle.UnpicklingError, EOFError) as exc:
+        error = UnsafeObjectError if safe else pickle.UnpicklingError
+        raise error(
+            f"{fn}: rank {sender} sent an object that distkit cannot decode{where}: {exc}",
+            *((sender,) if safe else ()),
+        ) from exc
+    except Exception as exc:
+        if not safe:
+            raise  # pickle trusts its peers: their objects' own errors pass through
+        raise UnsafeObjectError(
+            f"{fn}: rank {sender} sent an object that the safe serializer cannot decode"
+            f"{where}: {type(exc).__name__}: {exc}",
+            sender,
+        ) from exc
 
 
 # -- sizing ------------------------------------------------------------------------
