@@ -74,6 +74,18 @@ def collective_calls(mark_async: bool = False):
         yield calls
 
 
+@contextlib.contextmanager
+def torch_import_env():
+    """Undo the environment variables some torch modules set when imported
+    (``TORCHINDUCTOR_CACHE_DIR``, by the compiler's modules)."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+
+
 @pytest.fixture(autouse=True)
 def _hygiene():
     """Fail a test that leaves a process group, cached groups, settings or env vars."""

@@ -32,7 +32,7 @@ LAYERS = [
     },
     # 2: the backends
     {"distkit.dist._single", "distkit.dist._torch", "distkit.dist._torch_objects"}
-    | {"distkit.dist._uneven"},
+    | {"distkit.dist._uneven", "distkit.dist._traced"},
     # 3: the decision point
     {"distkit.dist._comm", "distkit.dist._shortcut"},
     # 4: the public API

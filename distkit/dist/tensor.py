@@ -61,7 +61,8 @@ def all_reduce(
             on the communication device and copied back).
         op: ``sum``, ``mean``, ``max``, ``min``, ``product``, ``band``, ``bor`` or ``bxor``
             (any case), or a ``torch.distributed.ReduceOp``.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns ``data``.
 
     Returns:
@@ -125,7 +126,8 @@ def all_gather(
 
     Args:
         data: This rank's tensor, of any shape.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
         same_shape: Promise that every rank passes the same shape and dtype; saves the
             shape round. Breaking the promise is an error of the backend (gloo: "invalid
@@ -198,7 +200,8 @@ def gather(
     Args:
         data: This rank's tensor, of any shape.
         dst: Rank (within ``group``) that receives the tensors.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
         same_shape: Promise that every rank passes the same shape and dtype; saves the
             shape round (see :func:`all_gather`).
@@ -259,7 +262,8 @@ def broadcast(
     Args:
         data: The tensor to send (on ``src``) or to overwrite (elsewhere).
         src: Rank (within ``group``) whose tensor is sent.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns ``data``.
 
     Returns:
@@ -331,7 +335,8 @@ def reduce(
         dst: Rank (within ``group``) that receives the reduction.
         op: ``sum``, ``mean``, ``max``, ``min``, ``product``, ``band``, ``bor`` or ``bxor``
             (any case), or a ``torch.distributed.ReduceOp``.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns ``data``.
 
     Returns:
@@ -401,7 +406,8 @@ def reduce_scatter(
             tensor whose first dimension divides evenly by the group size.
         op: ``sum``, ``mean``, ``max``, ``min``, ``product``, ``band``, ``bor`` or ``bxor``
             (any case), or a ``torch.distributed.ReduceOp``.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the chunk.
 
     Returns:
@@ -479,7 +485,8 @@ def all_to_all(
 
     Args:
         data: One tensor per rank of ``group``, all of one dtype; ``data[r]`` goes to rank r.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
         same_shape: Promise that every tensor of every rank has one shape; saves the shape
             round. The shapes of this rank's own list are checked.
@@ -559,7 +566,8 @@ def all_to_all_single(
             the other ranks' ``input_split_sizes`` (one small extra round) when
             ``input_split_sizes`` is given, else an even split.
         input_split_sizes: Rows to send to each rank; ``None`` splits ``data`` evenly.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the tensor.
 
     Returns:
@@ -646,7 +654,8 @@ def scatter(
         data: On ``src``, one tensor per rank, all of one dtype; ignored elsewhere (pass
             ``None``).
         src: Rank (within ``group``) that holds the tensors.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the tensor.
 
     Returns:
@@ -690,7 +699,8 @@ def barrier(group: GroupLike = None) -> None:
     Single process: returns at once.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
 
     Examples:
         >>> import distkit.dist as dist
