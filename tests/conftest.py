@@ -74,16 +74,8 @@ def collective_calls(mark_async: bool = False):
         yield calls
 
 
-@contextlib.contextmanager
-def torch_import_env():
-    """Undo the environment variables some torch modules set when imported
-    (``TORCHINDUCTOR_CACHE_DIR``, by the compiler's modules)."""
-    before = dict(os.environ)
-    try:
-        yield
-    finally:
-        for key in set(os.environ) - set(before):
-            del os.environ[key]
+# set by pytest, and by torch the first time its compiler's modules run (process-wide)
+_IGNORED_ENV = ("PYTEST_", "TORCHINDUCTOR_CACHE_DIR")
 
 
 @pytest.fixture(autouse=True)
@@ -96,7 +88,7 @@ def _hygiene():
     changed = sorted(
         k
         for k in set(before_env) | set(os.environ)
-        if before_env.get(k) != os.environ.get(k) and not k.startswith("PYTEST_")
+        if before_env.get(k) != os.environ.get(k) and not k.startswith(_IGNORED_ENV)
     )
     assert not found, f"the test left state behind: {found}"
     assert not changed, f"the test changed environment variables: {changed}"

@@ -39,6 +39,7 @@ LAYERS = [
     {
         "distkit.dist",
         "distkit.dist.tensor",
+        "distkit.dist._autograd",
         "distkit.dist.objects",
         "distkit.dist.world",
         "distkit.dist.init",

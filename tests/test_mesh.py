@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import torch_import_env, world
+from conftest import world
 
 import distkit.dist as dist
 from distkit.testing import ranks
@@ -72,14 +72,13 @@ def test_one_dimensional_mesh_is_a_group():
 def test_a_mesh_without_a_process_group_fails_clearly():
     # A mesh needs a process group; one that outlived its world (destroyed) is refused
     # with a ValueError that says so, the same as a destroyed ProcessGroup.
-    with torch_import_env():
-        from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh
 
-        fake = DeviceMesh.__new__(DeviceMesh)
-        with pytest.raises(ValueError, match="DeviceMesh, but no process group exists"):
-            dist.all_reduce(torch.ones(1), group=fake)
-        with pytest.raises(ValueError, match="DeviceMesh, but no process group exists"):
-            dist.get_rank(group=(fake, "dp"))
+    fake = DeviceMesh.__new__(DeviceMesh)
+    with pytest.raises(ValueError, match="DeviceMesh, but no process group exists"):
+        dist.all_reduce(torch.ones(1), group=fake)
+    with pytest.raises(ValueError, match="DeviceMesh, but no process group exists"):
+        dist.get_rank(group=(fake, "dp"))
 
 
 @ranks(1, 2)
