@@ -19,7 +19,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Union
 
 import torch
 from torch import Tensor
@@ -247,7 +247,7 @@ class TracedComm(Comm):
 
     def eager(self, method: str, *args: Any) -> Any:
         """Run backend ``method`` outside the graph (a clean graph break), eagerly."""
-        return _run_eager(self.group, method, *args)
+        return _EAGER[method](self.group, *args)
 
 
 def _run_eager_impl(group: Any, method: str, *args: Any) -> Any:
@@ -260,11 +260,50 @@ def _facts_eager_impl(group: Any, fn: str) -> tuple[int, int, list[int]]:
     return comm.rank, comm.size, comm.global_ranks()
 
 
-_run_eager = disable(
-    _run_eager_impl,
-    "distkit: this collective cannot be traced (it exchanges shapes, pickles objects, "
-    "waits in a barrier or returns a handle); it runs eagerly between graphs",
+_EAGER_REASON = (
+    "distkit.dist.%s cannot be traced with these arguments (it needs sizes only known "
+    "at run time, or async_op=True returns a handle): it runs eagerly between graphs"
 )
+_OBJECT_METHODS = (
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object",
+    "scatter_object",
+    "all_to_all_object",
+)
+_EAGER_REASONS = {
+    **dict.fromkeys(
+        _OBJECT_METHODS,
+        "distkit.dist.%s pickles objects, which cannot be traced: it runs eagerly between graphs",
+    ),
+    "barrier": "distkit.dist.%s blocks, which cannot be traced: it runs eagerly between graphs",
+}
+
+
+def _eager_runner(method: str) -> Callable[..., Any]:
+    def run(group: Any, *args: Any) -> Any:
+        return _run_eager_impl(group, method, *args)
+
+    return disable(run, _EAGER_REASONS.get(method, _EAGER_REASON) % method)
+
+
+#: Per backend method, the call that runs it eagerly (a graph break that says why).
+_EAGER = {
+    name: _eager_runner(name)
+    for name in (
+        "all_reduce",
+        "all_gather",
+        "gather",
+        "broadcast",
+        "reduce",
+        "reduce_scatter",
+        "all_to_all",
+        "all_to_all_single",
+        "scatter",
+        "barrier",
+        *_OBJECT_METHODS,
+    )
+}
 _facts_eager = disable(
     _facts_eager_impl,
     "distkit: a rank-list group that get_group has not created yet is created eagerly; "
