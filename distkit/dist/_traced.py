@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from distkit.dist._ops import Op
 
 # distkit's op names as the functional collectives spell them (mean: sum, then divide)
+# (while tracing, each functional collective's result already comes waited on)
 _FUNCTIONAL_OPS = {
     "sum": "sum",
     "mean": "sum",
@@ -74,12 +75,6 @@ def _reduce_locally(chunks: Tensor, name: str) -> Tensor:
     return out
 
 
-def _wait(t: Tensor) -> Tensor:
-    import torch.distributed._functional_collectives as fc
-
-    return fc.wait_tensor(t)
-
-
 class TracedBackend(Backend):
     name = "traced"
 
@@ -90,7 +85,7 @@ class TracedBackend(Backend):
             return _eager(comm).eager("all_reduce", data, op, async_op)
         import torch.distributed._functional_collectives as fc
 
-        out = _wait(fc.all_reduce(_input(data), _FUNCTIONAL_OPS[op.name], comm.pg))
+        out = fc.all_reduce(_input(data), _FUNCTIONAL_OPS[op.name], comm.pg)
         if op.divide:
             out = _mean(out, comm.size)
         data.detach().copy_(out)
@@ -104,7 +99,7 @@ class TracedBackend(Backend):
         import torch.distributed._functional_collectives as fc
 
         flat = _input(data).reshape(1, -1)
-        out = _wait(fc.all_gather_tensor(flat, 0, comm.pg))
+        out = fc.all_gather_tensor(flat, 0, comm.pg)
         rows = out.view(comm.size, *data.shape).unbind(0)
         return [data if r == comm.rank else rows[r] for r in range(comm.size)]
 
@@ -113,7 +108,7 @@ class TracedBackend(Backend):
             return _eager(comm).eager("broadcast", data, src, async_op)
         import torch.distributed._functional_collectives as fc
 
-        out = _wait(fc.broadcast(_input(data), comm.global_rank(src), comm.pg))
+        out = fc.broadcast(_input(data), comm.global_rank(src), comm.pg)
         if comm.rank != src:
             data.detach().copy_(out)
         return data
@@ -132,7 +127,7 @@ class TracedBackend(Backend):
         if isinstance(data, list):
             chunk_shape = tuple(buf.shape[1:])
         flat = buf.reshape(size, -1)
-        received = _wait(fc.all_to_all_single(flat, None, None, comm.pg))
+        received = fc.all_to_all_single(flat, None, None, comm.pg)
         out = _reduce_locally(received.view(size, *chunk_shape), op.name)
         if op.divide:
             out = _mean(out, size)
@@ -152,8 +147,7 @@ class TracedBackend(Backend):
             )
         import torch.distributed._functional_collectives as fc
 
-        out = fc.all_to_all_single(_input(data), output_split_sizes, input_split_sizes, comm.pg)
-        return _wait(out)
+        return fc.all_to_all_single(_input(data), output_split_sizes, input_split_sizes, comm.pg)
 
     # -- eager, between graphs ------------------------------------------------------------
 
