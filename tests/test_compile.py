@@ -148,3 +148,24 @@ def test_argument_errors_are_the_eager_ones():
         _compiled(_bad_op)(t)
     assert str(eager.value) in str(strict.value)
     torch._dynamo.reset()
+
+
+def _grad_step(x):
+    gathered = dist.all_gather(x * 2, grad=True, same_shape=True)
+    reduced = dist.all_reduce(x.sin(), op="mean", grad=True)
+    scattered = dist.reduce_scatter(x.repeat(dist.get_world_size(), 1), grad=True)
+    loss = sum((i + 1) * g.pow(2).sum() for i, g in enumerate(gathered))
+    return loss + reduced.sum() * 3 + scattered.exp().sum()
+
+
+@ranks(0, 2, timeout=COMPILE_TIMEOUT)
+def test_grad_collectives_trace_forward_and_backward():
+    rank, _ = world()
+    base = torch.arange(6.0).view(2, 3) / 10 + rank
+    x_eager = base.clone().requires_grad_()
+    _grad_step(x_eager).backward()
+    x = base.clone().requires_grad_()
+    loss = _compiled(_grad_step)(x)
+    loss.backward()
+    torch.testing.assert_close(x.grad, x_eager.grad)
+    torch._dynamo.reset()

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from distkit.dist._args import fail
 from distkit.dist._comm import Comm, resolve
-from distkit.dist._ops import Op
+from distkit.dist._ops import OPS, Op
 
 _DIFFERENTIABLE = ("sum", "mean")
 
@@ -79,7 +79,9 @@ class _AllGather(torch.autograd.Function):
         comm = resolve(ctx.group, "all_gather")
         sends = [g.contiguous() for g in grads]  # autograd fills unused ones with zeros
         # rank k computed sends[r] for rank r's input: send it there, and add up
-        received = comm.backend.all_to_all(comm, sends, False, ctx.same_shape)
+        if ctx.same_shape:  # a reduce-scatter (which torch.compile can trace)
+            return comm.backend.reduce_scatter(comm, sends, OPS["sum"], False), None, None
+        received = comm.backend.all_to_all(comm, sends, False, False)
         assert isinstance(received, list)
         total = received[0].clone()
         for part in received[1:]:
