@@ -69,10 +69,15 @@ def _gather_scatter(t, flat):
 
 @ranks(0, 2, timeout=COMPILE_TIMEOUT)
 def test_listed_collectives_trace_with_fullgraph_and_match_eager():
+    import torch._dynamo
+
     rank, size = world()
     f = torch.tensor([rank + 1.0, -2.0 * rank, 0.5])
     i = torch.tensor([rank + 5, 3, -7 * (rank + 1)])
     _against_eager(_reductions, f, i)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(_reductions)(f.clone(), i.clone())
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
     t = torch.arange(3.0) + 10 * rank
     flat = torch.arange(2.0 * size * 2).view(2 * size, 2) * (rank + 1)
     _against_eager(_gather_scatter, t, flat)
