@@ -3,8 +3,9 @@
 Every collective resolves its ``group`` argument with :func:`resolve` into a
 :class:`Comm`: the process group, this rank's place in it, and ``backend``, the object
 that runs the collective (:data:`~distkit.dist._single.SINGLE` when there is no process
-group, :data:`~distkit.dist._torch.TORCH` otherwise). Both implement
-:class:`~distkit.dist._backend.Backend`, and arguments are checked before either runs,
+group, :data:`~distkit.dist._torch.TORCH` otherwise, and
+:data:`~distkit.dist._traced.TRACED` while ``torch.compile`` traces). All implement
+:class:`~distkit.dist._backend.Backend`, and arguments are checked before any of them runs,
 so a bad argument fails the same way in a debugger as on 8 ranks.
 
 Whether a process group exists is read from one place, :data:`distkit._registry.current`,
