@@ -74,6 +74,20 @@ def collective_calls(mark_async: bool = False):
         yield calls
 
 
+def in_fresh_world(body, size: int, timeout: float = 300.0) -> list:
+    """Run the module-level function ``body`` on every rank of a world of its own.
+
+    For checks that build a ``DeviceMesh``: its process groups are created by their
+    members only, and a group the whole world creates later in that same world
+    (``get_group``) then failed to connect (gloo "Connection refused") on this machine, so
+    those checks must not share the session's pools.
+    """
+    from distkit.local.pool import RankPool
+
+    with RankPool(size, timeout=timeout) as pool:
+        return pool.run(body)
+
+
 # set by pytest, and by torch the first time its compiler's modules run (process-wide)
 _IGNORED_ENV = ("PYTEST_", "TORCHINDUCTOR_CACHE_DIR")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import world
+from conftest import in_fresh_world, world
 
 import distkit.dist as dist
 from distkit.testing import ranks
@@ -96,8 +96,12 @@ def _on_groups(t, group):
     return out * dist.get_world_size(group) + dist.get_rank(group), torch.stack(got)
 
 
-@ranks(2, timeout=COMPILE_TIMEOUT)
 def test_uneven_explicit_splits_and_group_forms_trace():
+    # a world of its own: the mesh's groups must not reach the shared pools (conftest)
+    in_fresh_world(_splits_and_group_forms, 2, timeout=COMPILE_TIMEOUT)
+
+
+def _splits_and_group_forms():
     from torch.distributed.device_mesh import init_device_mesh
 
     from distkit.utils import get_group
@@ -105,8 +109,8 @@ def test_uneven_explicit_splits_and_group_forms_trace():
     rank, size = world()
     t = torch.arange(sum(r + 1 for r in range(size)), dtype=torch.float32) + 100 * rank
     _against_eager(_uneven_splits, t)
-    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("dp",))
     get_group(list(range(size)))  # a cached rank list
+    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("dp",))
     for group in (list(range(size)), mesh, (mesh, "dp"), (mesh, 0)):
         _against_eager(lambda x, g=group: _on_groups(x, g), torch.tensor([rank + 1.0, 2.0]))
 

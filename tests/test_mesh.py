@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import world
+from conftest import in_fresh_world, world
 
 import distkit.dist as dist
-from distkit.testing import ranks
 
 
 def _mesh():
@@ -16,8 +15,7 @@ def _mesh():
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
-@ranks(4)
-def test_every_mesh_form_names_the_same_group():
+def _every_mesh_form_names_the_same_group():
     rank, _ = world()
     mesh = _mesh()
     dp, tp = rank // 2, rank % 2  # row-major: rank = 2 * dp + tp
@@ -40,8 +38,7 @@ def test_every_mesh_form_names_the_same_group():
             dist.barrier(group=group)
 
 
-@ranks(4)
-def test_bad_mesh_groups_fail_clearly():
+def _bad_mesh_groups_fail_clearly():
     mesh = _mesh()
     with pytest.raises(TypeError, match=r"2-D DeviceMesh.*mesh\[\"dp\"\]"):
         dist.all_reduce(torch.ones(1), group=mesh)
@@ -57,8 +54,7 @@ def test_bad_mesh_groups_fail_clearly():
     assert dist.get_world_size(group=(0, 1)) == 2 if dist.get_rank() < 2 else True
 
 
-@ranks(2)
-def test_one_dimensional_mesh_is_a_group():
+def _one_dimensional_mesh_is_a_group():
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, size = world()
@@ -81,8 +77,7 @@ def test_a_mesh_without_a_process_group_fails_clearly():
         dist.get_rank(group=(fake, "dp"))
 
 
-@ranks(1, 2)
-def test_dtensors_are_refused_by_tensor_collectives_and_travel_as_shards_in_objects():
+def _dtensor_checks():
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -125,15 +120,14 @@ def _mesh_step(t, mesh, pair):
     return summed, torch.stack(gathered), paired, info
 
 
-@ranks(4, timeout=600)
-def test_mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph():
+def _mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph():
     import torch._dynamo
 
     from distkit.utils import get_group
 
     rank, _ = world()
-    mesh = _mesh()
     pairs = [get_group([0, 2]), get_group([1, 3])]  # created eagerly, on every rank
+    mesh = _mesh()
     pair = [0, 2] if rank in (0, 2) else [1, 3]
     assert pairs[rank % 2] is not None
     t = torch.tensor([rank + 1.0, -rank])
@@ -144,3 +138,24 @@ def test_mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph():
     for g, e in zip(got, expected):
         assert torch.equal(g, e)
     torch._dynamo.reset()
+
+
+def test_every_mesh_form_names_the_same_group():
+    in_fresh_world(_every_mesh_form_names_the_same_group, 4, timeout=300)
+
+
+def test_bad_mesh_groups_fail_clearly():
+    in_fresh_world(_bad_mesh_groups_fail_clearly, 4, timeout=300)
+
+
+def test_one_dimensional_mesh_is_a_group():
+    in_fresh_world(_one_dimensional_mesh_is_a_group, 2, timeout=300)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_dtensors_are_refused_by_tensor_collectives_and_travel_as_shards_in_objects(size):
+    in_fresh_world(_dtensor_checks, size, timeout=300)
+
+
+def test_mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph():
+    in_fresh_world(_mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph, 4, timeout=600)
