@@ -77,10 +77,8 @@ def collective_calls(mark_async: bool = False):
 def in_fresh_world(body, size: int, timeout: float = 300.0) -> list:
     """Run the module-level function ``body`` on every rank of a world of its own.
 
-    For checks that build a ``DeviceMesh``: its process groups are created by their
-    members only, and a group the whole world creates later in that same world
-    (``get_group``) then failed to connect (gloo "Connection refused") on this machine, so
-    those checks must not share the session's pools.
+    For checks that build a ``DeviceMesh``: its process groups live as long as the world,
+    and stay out of the session's shared pools this way.
     """
     from distkit.local.pool import RankPool
 

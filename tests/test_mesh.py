@@ -50,8 +50,12 @@ def _bad_mesh_groups_fail_clearly():
         dist.all_gather(torch.ones(1), group=(mesh, 2))
     with pytest.raises(TypeError, match="dimension name or index"):
         dist.all_gather(torch.ones(1), group=(mesh, 1.0))
-    # a plain pair of ranks is still a rank list
-    assert dist.get_world_size(group=(0, 1)) == 2 if dist.get_rank() < 2 else True
+    # a plain pair of ranks is still a rank list (its group is created on every rank)
+    if dist.get_rank() < 2:
+        assert dist.get_world_size(group=(0, 1)) == 2
+    else:
+        with pytest.raises(ValueError, match="not a member of group"):
+            dist.get_world_size(group=(0, 1))
 
 
 def _one_dimensional_mesh_is_a_group():
