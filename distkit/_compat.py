@@ -6,12 +6,13 @@ Each one is here, with the reason, so a torch upgrade has one file to check.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as td
 
 AVAILABLE = td.is_available()
+F = TypeVar("F", bound=Callable[..., Any])
 
 if TYPE_CHECKING or AVAILABLE:
     from torch.distributed import ProcessGroup, ReduceOp
@@ -67,6 +68,27 @@ if AVAILABLE:
     # torch 2.13 renamed the single-tensor collectives and deprecated the old names.
     all_gather_single = getattr(td, "all_gather_single", None) or td.all_gather_into_tensor
     reduce_scatter_single = getattr(td, "reduce_scatter_single", None) or td.reduce_scatter_tensor
+
+
+# -- torch.compile ------------------------------------------------------------------------
+
+#: Whether torch.compile is tracing the caller (torch >= 2.3 has it public).
+is_compiling: Callable[[], bool] = torch.compiler.is_compiling
+
+
+def disable(fn: F, reason: str) -> F:
+    """``fn`` excluded from torch.compile's graphs: calling it while tracing is a clean
+    graph break, whose reason (torch >= 2.8 shows it in ``torch._dynamo.explain``) says
+    why."""
+    try:
+        return torch._dynamo.disable(fn, reason=reason)
+    except TypeError:  # torch < 2.8: no reason
+        return torch._dynamo.disable(fn)
+
+
+def get_process_group_ranks(pg: Any) -> list[int]:
+    """Global ranks of ``pg``'s members (a constant to torch.compile's tracer)."""
+    return td.get_process_group_ranks(pg)
 
 
 def default_store() -> Any:

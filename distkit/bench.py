@@ -298,11 +298,80 @@ def _debug_cases(rank: int, size: int, quick: bool) -> list[tuple]:
     return rows
 
 
+def _compile_cases(rank: int, size: int, quick: bool) -> list[tuple]:
+    """A training step compiled with torch.compile (fullgraph) that all-reduces its loss.
+
+    distkit against the same step written with torch's functional collective, with the
+    c10d call (which torch.compile rewrites into the functional one), and with mmengine.
+    """
+    import torch.distributed._functional_collectives as fc
+
+    mm = _mmengine()
+    world = td.group.WORLD
+    assert world is not None
+    gen = torch.Generator().manual_seed(rank)
+    x, w = torch.randn(256, 64, generator=gen), torch.randn(64, 64, generator=gen)
+
+    def loss_of(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).tanh().pow(2).mean()
+
+    def with_distkit(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return dist.all_reduce(loss_of(x, w), op="mean")
+
+    def with_functional(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return fc.all_reduce(loss_of(x, w), "sum", world) / size
+
+    def with_c10d(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(x, w)
+        td.all_reduce(loss)
+        return loss / size
+
+    def with_mmengine(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        assert mm is not None
+        return mm.all_reduce(loss_of(x, w), "mean")
+
+    def compiled(fn: Callable[..., Any], fullgraph: bool = True) -> Callable[[], Any]:
+        step = torch.compile(fn, backend="aot_eager", fullgraph=fullgraph)
+        return lambda: step(x, w)
+
+    ours = compiled(with_distkit)
+    goal = 1.1
+    return [
+        (
+            Case(
+                "compiled step, all_reduce of the loss (torch: functional collective)",
+                "compile",
+                f"<= {goal}x torch",
+                "overhead",
+                goal,
+            ),
+            {
+                "distkit": ours,
+                "torch": compiled(with_functional),
+                "mmengine": compiled(with_mmengine, fullgraph=False) if mm else None,
+            },
+            None,
+        ),
+        (
+            Case(
+                "compiled step, all_reduce of the loss (torch: c10d all_reduce)",
+                "compile",
+                f"<= {goal}x torch",
+                "overhead",
+                goal,
+            ),
+            {"distkit": ours, "torch": compiled(with_c10d)},
+            None,
+        ),
+    ]
+
+
 GROUPS = {
     "objects": _object_cases,
     "collect": _collect_cases,
     "tensors": _tensor_cases,
     "debug": _debug_cases,
+    "compile": _compile_cases,
 }
 
 
@@ -528,7 +597,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="distkit bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="gloo ranks to start (2)")
     parser.add_argument(
-        "--only", default=None, help="run one group: objects, collect, tensors, debug, noop"
+        "--only",
+        default=None,
+        help="run one group: objects, collect, tensors, debug, compile, noop",
     )
     parser.add_argument(
         "--quick",

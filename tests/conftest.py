@@ -74,6 +74,22 @@ def collective_calls(mark_async: bool = False):
         yield calls
 
 
+def in_fresh_world(body, size: int, timeout: float = 300.0) -> list:
+    """Run the module-level function ``body`` on every rank of a world of its own.
+
+    For checks that build a ``DeviceMesh``: its process groups live as long as the world,
+    and stay out of the session's shared pools this way.
+    """
+    from distkit.local.pool import RankPool
+
+    with RankPool(size, timeout=timeout) as pool:
+        return pool.run(body)
+
+
+# set by pytest, and by torch the first time its compiler's modules run (process-wide)
+_IGNORED_ENV = ("PYTEST_", "TORCHINDUCTOR_CACHE_DIR")
+
+
 @pytest.fixture(autouse=True)
 def _hygiene():
     """Fail a test that leaves a process group, cached groups, settings or env vars."""
@@ -84,7 +100,7 @@ def _hygiene():
     changed = sorted(
         k
         for k in set(before_env) | set(os.environ)
-        if before_env.get(k) != os.environ.get(k) and not k.startswith("PYTEST_")
+        if before_env.get(k) != os.environ.get(k) and not k.startswith(_IGNORED_ENV)
     )
     assert not found, f"the test left state behind: {found}"
     assert not changed, f"the test changed environment variables: {changed}"

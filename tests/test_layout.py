@@ -35,13 +35,15 @@ LAYERS = [
     },
     # 2: the backends
     {"distkit.dist._single", "distkit.dist._torch", "distkit.dist._torch_objects"}
-    | {"distkit.dist._uneven", "distkit.dist._gloo", "distkit.dist._stream"},
+    | {"distkit.dist._uneven", "distkit.dist._gloo", "distkit.dist._stream"}
+    | {"distkit.dist._traced"},
     # 3: the decision point
     {"distkit.dist._comm", "distkit.dist._shortcut"},
     # 4: the public API
     {
         "distkit.dist",
         "distkit.dist.tensor",
+        "distkit.dist._autograd",
         "distkit.dist.objects",
         "distkit.dist.world",
         "distkit.dist.init",

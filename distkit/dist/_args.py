@@ -8,6 +8,7 @@ what to do (``fn: what (on rank r of n). Fix``).
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
@@ -16,6 +17,25 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from distkit.dist._comm import Comm
+
+
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # 2.5+, 2.4
+
+
+def dtensor_type() -> Any:
+    """torch's DTensor class, or ``None`` while no module defining it is loaded (then no
+    DTensor can exist, and nothing is imported for nothing)."""
+    for name in _DTENSOR_MODULES:
+        module = sys.modules.get(name)
+        found = getattr(module, "DTensor", None)
+        if found is not None:
+            return found
+    return None
+
+
+def is_dtensor(obj: Any) -> bool:
+    kind = dtensor_type()
+    return kind is not None and isinstance(obj, kind)
 
 
 def where(comm: Comm) -> str:
@@ -61,7 +81,23 @@ def show(value: Any) -> str:
 def tensor(value: Any, name: str, fn: str, comm: Comm) -> Tensor:
     if not isinstance(value, Tensor):
         fail(TypeError, fn, comm, f"{name} must be a torch.Tensor, got {show(value)}")
+    if value.__class__ is not Tensor:
+        not_dtensor(value, name, fn, comm)
     return value
+
+
+def not_dtensor(value: Tensor, name: str, fn: str, comm: Comm) -> None:
+    """Reject a DTensor: a tensor collective moves plain tensors, and which tensor of a
+    DTensor to move (this rank's shard, or the whole) is the caller's choice."""
+    if is_dtensor(value):
+        fail(
+            TypeError,
+            fn,
+            comm,
+            f"{name} is a DTensor; distkit's tensor collectives take plain tensors",
+            f"Pass {name}.to_local() (this rank's shard) or {name}.full_tensor() (the "
+            "whole tensor, gathered)",
+        )
 
 
 def writable(value: Tensor, name: str, fn: str, comm: Comm) -> None:
@@ -131,6 +167,8 @@ def tensor_list(
     for i, t in enumerate(value):
         if not isinstance(t, Tensor):
             fail(TypeError, fn, comm, f"{name}[{i}] must be a torch.Tensor, got {show(t)}")
+        if t.__class__ is not Tensor:
+            not_dtensor(t, f"{name}[{i}]", fn, comm)
     first = value[0]
     for i, t in enumerate(value):
         if t.dtype != first.dtype:

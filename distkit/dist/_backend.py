@@ -7,8 +7,9 @@ returns what the public function returns (or, with ``async_op=True``, a
 :class:`~distkit.dist.Handle` of it), with the same aliasing in every backend: an entry
 that comes from this rank is the caller's own tensor or object; everything else is new.
 
-Backends: :mod:`distkit.dist._single` (no process group: a world of one rank) and
-:mod:`distkit.dist._torch` (a torch.distributed process group).
+Backends: :mod:`distkit.dist._single` (no process group: a world of one rank),
+:mod:`distkit.dist._torch` (a torch.distributed process group) and
+:mod:`distkit.dist._traced` (the same group, while ``torch.compile`` traces).
 """
 
 from __future__ import annotations

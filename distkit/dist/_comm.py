@@ -3,8 +3,9 @@
 Every collective resolves its ``group`` argument with :func:`resolve` into a
 :class:`Comm`: the process group, this rank's place in it, and ``backend``, the object
 that runs the collective (:data:`~distkit.dist._single.SINGLE` when there is no process
-group, :data:`~distkit.dist._torch.TORCH` otherwise). Both implement
-:class:`~distkit.dist._backend.Backend`, and arguments are checked before either runs,
+group, :data:`~distkit.dist._torch.TORCH` otherwise, and
+:data:`~distkit.dist._traced.TRACED` while ``torch.compile`` traces). All implement
+:class:`~distkit.dist._backend.Backend`, and arguments are checked before any of them runs,
 so a bad argument fails the same way in a debugger as on 8 ranks.
 
 Whether a process group exists is read from one place, :data:`distkit._registry.current`,
@@ -14,32 +15,51 @@ hottest calls skip this resolution when there is nothing to resolve.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Union
 
 import torch
 from torch import Tensor
 
 from distkit import _registry
-from distkit._compat import ProcessGroup, backend_config, backend_name, c10d, is_registered
+from distkit._compat import (
+    ProcessGroup,
+    backend_config,
+    backend_name,
+    c10d,
+    disable,
+    get_process_group_ranks,
+    is_compiling,
+    is_registered,
+)
 from distkit.dist._args import fail
 from distkit.dist._gloo import GLOO
 from distkit.dist._single import SINGLE
 from distkit.dist._torch import TORCH
+from distkit.dist._traced import TRACED
 from distkit.utils.device import backend_device_types, device_of_type
-from distkit.utils.groups import get_group, group_ranks
+from distkit.utils.groups import cached_group, get_group, group_ranks
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from distkit.dist._backend import Backend
 
 _CPU = torch.device("cpu")
 
 #: What every ``group`` argument accepts: ``None`` (the default group), a process group,
-#: or a sequence of global ranks (resolved through :func:`distkit.utils.get_group`).
-GroupLike = Union[None, ProcessGroup, Sequence[int]]
+#: a sequence of global ranks (resolved through :func:`distkit.utils.get_group`), a 1-D
+#: ``DeviceMesh`` (``mesh["dp"]``), or one dimension of a mesh as ``(mesh, "dp")`` or
+#: ``(mesh, 0)``.
+GroupLike = Union[
+    None, ProcessGroup, Sequence[int], "DeviceMesh", tuple["DeviceMesh", Union[str, int]]
+]
+
+_MESH_MODULE = "torch.distributed.device_mesh"
 
 
 class _GroupFacts:
@@ -207,6 +227,95 @@ class Comm:
         return f"Comm(rank={self.rank}, size={self.size}, backend={self.backend_name})"
 
 
+class TracedComm(Comm):
+    """A group resolved while ``torch.compile`` traces: only what traces.
+
+    No facts cache (weak references), no thread guard, no history: the traced backend
+    (:mod:`distkit.dist._traced`) runs functional collectives on ``pg``. ``group`` is the
+    caller's own argument, from which :meth:`eager` resolves the group again, outside
+    the graph, for what cannot trace. ``pg`` is ``None`` when the group cannot be found
+    while tracing (a rank list :func:`~distkit.utils.get_group` did not create yet):
+    then every collective runs eagerly.
+    """
+
+    __slots__ = ("group", "ranks")
+
+    def __init__(
+        self, pg: Optional[ProcessGroup], rank: int, size: int, group: Any, ranks: list[int]
+    ) -> None:
+        super().__init__(pg, rank, size, TRACED)
+        self.group = group
+        self.ranks = ranks
+
+    def global_ranks(self) -> list[int]:
+        return self.ranks
+
+    def eager(self, method: str, *args: Any) -> Any:
+        """Run backend ``method`` outside the graph (a clean graph break), eagerly."""
+        return _EAGER[method](self.group, *args)
+
+
+def _run_eager_impl(group: Any, method: str, *args: Any) -> Any:
+    comm = resolve(group, method)
+    return getattr(comm.backend, method)(comm, *args)
+
+
+def _facts_eager_impl(group: Any, fn: str) -> tuple[int, int, list[int]]:
+    comm = resolve(group, fn)
+    return comm.rank, comm.size, comm.global_ranks()
+
+
+_EAGER_REASON = (
+    "distkit.dist.%s cannot be traced with these arguments (it needs sizes only known "
+    "at run time, or async_op=True returns a handle): it runs eagerly between graphs"
+)
+_OBJECT_METHODS = (
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object",
+    "scatter_object",
+    "all_to_all_object",
+)
+_EAGER_REASONS = {
+    **dict.fromkeys(
+        _OBJECT_METHODS,
+        "distkit.dist.%s pickles objects, which cannot be traced: it runs eagerly between graphs",
+    ),
+    "barrier": "distkit.dist.%s blocks, which cannot be traced: it runs eagerly between graphs",
+}
+
+
+def _eager_runner(method: str) -> Callable[..., Any]:
+    def run(group: Any, *args: Any) -> Any:
+        return _run_eager_impl(group, method, *args)
+
+    return disable(run, _EAGER_REASONS.get(method, _EAGER_REASON) % method)
+
+
+#: Per backend method, the call that runs it eagerly (a graph break that says why).
+_EAGER = {
+    name: _eager_runner(name)
+    for name in (
+        "all_reduce",
+        "all_gather",
+        "gather",
+        "broadcast",
+        "reduce",
+        "reduce_scatter",
+        "all_to_all",
+        "all_to_all_single",
+        "scatter",
+        "barrier",
+        *_OBJECT_METHODS,
+    )
+}
+_facts_eager = disable(
+    _facts_eager_impl,
+    "distkit: a rank-list group that get_group has not created yet is created eagerly; "
+    "call distkit.utils.get_group(ranks) once before compiling",
+)
+
+
 #: The implicit world of one rank, when no process group exists.
 NO_GROUP = Comm(None, 0, 1, SINGLE)
 
@@ -216,48 +325,144 @@ def _comm_of(pg: ProcessGroup) -> Comm:
     return Comm(pg, facts.rank, facts.size, facts.impl, facts)
 
 
-def resolve(group: Any, fn: str) -> Comm:
-    """Resolve a ``group`` argument (see :data:`GroupLike`) for the collective ``fn``.
+def _traced_comm(pg: ProcessGroup, group: Any) -> Comm:
+    return TracedComm(pg, pg.rank(), pg.size(), group, get_process_group_ranks(pg))
 
-    Raises:
-        TypeError: ``group`` is not None, a ProcessGroup or a sequence of ranks.
-        ValueError: The group belongs to a destroyed world, or this rank is not in it.
-    """
-    world = _registry.current._default_pg
-    if group is None:
-        return NO_GROUP if world is None else _comm_of(world)
+
+def _mesh_type() -> Any:
+    """torch's DeviceMesh class, or None while its module is not loaded (then no mesh
+    can exist, and the module is not imported for nothing)."""
+    module = sys.modules.get(_MESH_MODULE)
+    return None if module is None else module.DeviceMesh
+
+
+def _mesh_group(group: Any, fn: str, world: Any) -> Optional[ProcessGroup]:
+    """The process group of a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``,
+    ``(mesh, 0)``), or ``None`` when ``group`` is no mesh at all."""
+    mesh_type = _mesh_type()
+    if mesh_type is None:
+        return None
     here = NO_GROUP if world is None else None
-    if isinstance(group, ProcessGroup):
-        if world is None or not is_registered(group):
+    if isinstance(group, mesh_type):
+        mesh, dim = group, None
+    elif isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], mesh_type):
+        mesh, dim = group
+    else:
+        return None
+    if world is None:
+        fail(
+            ValueError,
+            fn,
+            NO_GROUP,
+            "group is a DeviceMesh, but no process group exists (it was destroyed)",
+            "Create the mesh (init_device_mesh) after init_dist, and use it before destroy_dist",
+        )
+    names = mesh.mesh_dim_names
+    if dim is None:
+        if mesh.ndim != 1:
+            fail(
+                TypeError,
+                fn,
+                here or _comm_of(world),
+                f"group is a {mesh.ndim}-D DeviceMesh (dimensions {names}); a collective "
+                "runs over one dimension",
+                'Pass one dimension: mesh["dp"], (mesh, "dp") or (mesh, 0)',
+            )
+        return mesh.get_group()
+    if isinstance(dim, str):
+        if names is None or dim not in names:
             fail(
                 ValueError,
                 fn,
                 here or _comm_of(world),
-                "group belongs to a process group that was destroyed",
-                "Create groups again (distkit.utils.get_group) after init_dist",
+                f"group=(mesh, {dim!r}): the mesh has no dimension {dim!r} "
+                f"(its dimensions: {names})",
+                "Name one of the mesh's dimensions, or pass its index",
             )
-        if group.rank() < 0:
-            _not_member("the group", fn)
-        return _comm_of(group)
-    if isinstance(group, (list, tuple, range)):
-        try:
-            pg = get_group(group)
-        except (TypeError, ValueError) as exc:
-            what = str(exc).removeprefix("get_group: ")
-            fail(type(exc), fn, here or _comm_of(world), f"group={list(group)!r}: {what}")
-        if pg is None:  # single process, group == [0]
+        return mesh.get_group(dim)
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        fail(
+            TypeError,
+            fn,
+            here or _comm_of(world),
+            f"group=(mesh, dim): dim must be a dimension name or index, got {dim!r}",
+        )
+    if not 0 <= dim < mesh.ndim:
+        fail(
+            ValueError,
+            fn,
+            here or _comm_of(world),
+            f"group=(mesh, {dim}): the mesh has {mesh.ndim} dimension(s)",
+            f"Pass a dimension from 0 to {mesh.ndim - 1}",
+        )
+    return mesh.get_group(dim)
+
+
+def resolve(group: Any, fn: str) -> Comm:
+    """Resolve a ``group`` argument (see :data:`GroupLike`) for the collective ``fn``.
+
+    While ``torch.compile`` traces, the result is a :class:`TracedComm` whose backend is
+    :data:`~distkit.dist._traced.TRACED` (functional collectives, no bookkeeping).
+
+    Raises:
+        TypeError: ``group`` is not one of the forms of :data:`GroupLike`, or is a mesh
+            of more than one dimension.
+        ValueError: The group belongs to a destroyed world, or this rank is not in it.
+    """
+    world = _registry.current._default_pg
+    if group is None:
+        if world is None:
             return NO_GROUP
-        if not isinstance(pg, ProcessGroup):
-            _not_member(f"group {list(group)}", fn)
-        return _comm_of(pg)
-    if c10d is not None and group is c10d.GroupMember.NON_GROUP_MEMBER:
-        _not_member("the group (torch's non-member marker)", fn)
-    fail(
-        TypeError,
-        fn,
-        here or _comm_of(world),
-        f"group must be None, a ProcessGroup or a list of global ranks, got {type(group).__name__}",
-    )
+        return _traced_comm(world, None) if is_compiling() else _comm_of(world)
+    here = NO_GROUP if world is None else None
+    pg: Optional[ProcessGroup]
+    if isinstance(group, ProcessGroup):
+        pg = group
+    else:
+        pg = (
+            _mesh_group(group, fn, world)
+            if isinstance(group, tuple) or not isinstance(group, (list, range))
+            else None
+        )
+        if pg is None and isinstance(group, (list, tuple, range)):
+            if world is not None and is_compiling():
+                found = cached_group(group, world)
+                if found is None:  # not created yet: created (and used) eagerly
+                    rank, size, ranks = _facts_eager(group, fn)
+                    return TracedComm(None, rank, size, group, ranks)
+                pg = found
+            else:
+                try:
+                    got = get_group(group)
+                except (TypeError, ValueError) as exc:
+                    what = str(exc).removeprefix("get_group: ")
+                    fail(type(exc), fn, here or _comm_of(world), f"group={list(group)!r}: {what}")
+                if got is None:  # single process, group == [0]
+                    return NO_GROUP
+                if not isinstance(got, ProcessGroup):
+                    _not_member(f"group {list(group)}", fn)
+                return _traced_comm(got, group) if is_compiling() else _comm_of(got)
+        if pg is None:
+            if c10d is not None and group is c10d.GroupMember.NON_GROUP_MEMBER:
+                _not_member("the group (torch's non-member marker)", fn)
+            fail(
+                TypeError,
+                fn,
+                here or _comm_of(world),
+                "group must be None, a ProcessGroup, a list of global ranks, a 1-D "
+                'DeviceMesh or (mesh, "dim"), got ' + type(group).__name__,
+            )
+    if world is None or not is_registered(pg):
+        fail(
+            ValueError,
+            fn,
+            here or _comm_of(world),
+            "group belongs to a process group that was destroyed",
+            "Create groups again (distkit.utils.get_group) after init_dist",
+        )
+    if pg.rank() < 0:
+        _not_member("the group", fn)
+    return _traced_comm(pg, group) if is_compiling() else _comm_of(pg)
 
 
 def _not_member(what: str, fn: str) -> NoReturn:

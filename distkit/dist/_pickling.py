@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch import Tensor
 
-from distkit.dist._args import fail
+from distkit.dist._args import fail, is_dtensor
 
 if TYPE_CHECKING:
     from distkit.dist._comm import Comm
@@ -67,6 +67,8 @@ class _Probe(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) in TENSOR_TYPES and sendable(obj):
             return _placeholder, ()
+        if isinstance(obj, Tensor) and is_dtensor(obj):  # sent as its local shard
+            return self.reducer_override(obj.to_local())  # type: ignore[attr-defined]
         return NotImplemented
 
 

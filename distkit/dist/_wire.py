@@ -130,6 +130,10 @@ class _Encoder(pickle.Pickler):
                 obj.device.type,
             )
             return _tensor_ref, meta
+        if cls is not Tensor and isinstance(obj, Tensor) and _pickling.is_dtensor(obj):
+            # a DTensor travels as this rank's shard, a plain tensor: pickling it whole
+            # would pickle its DeviceMesh (process groups cannot travel; torch warns)
+            return self.reducer_override(obj.to_local())  # type: ignore[attr-defined]
         return NotImplemented
 
 

@@ -204,7 +204,8 @@ def collect_results(
         tmpdir: Accepted for mmengine compatibility and ignored.
         dst: Rank (within ``group``) that gets the results; ``None`` gives them to every
             rank.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         order: ``interleaved`` or ``contiguous``; ignored when ``indices`` is given.
         indices: Dataset index of each of this rank's results.
         serializer: ``pickle`` or ``safe`` for the results received (see

@@ -95,7 +95,8 @@ def all_reduce_dict(
     Args:
         data: Metric name to tensor (any shapes).
         op: Any op of :func:`all_reduce`; ``mean`` averages each metric over ranks.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
 
     Returns:
         ``data``, its tensors holding the reductions.
@@ -153,7 +154,8 @@ def all_reduce_params(
             instead of one all_reduce per tensor.
         bucket_size_mb: Bucket size limit in MiB; ``-1`` puts each dtype in one bucket.
         op: Any op of :func:`all_reduce`.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
 
     Returns:
         The tensors, as a list, now holding the reductions (same objects as passed in).
@@ -219,7 +221,8 @@ def sync_random_seed(group: GroupLike = None) -> int:
     Single process: returns a fresh random seed.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
 
     Returns:
         An int in ``[0, 2**31)``, the same on every rank.

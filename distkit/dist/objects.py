@@ -77,7 +77,8 @@ def all_gather_object(
 
     Args:
         data: This rank's object.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         map_location: Device for received tensors; ``None`` puts CPU tensors on the CPU
             and accelerator tensors on this rank's current device of that type.
         serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
@@ -121,7 +122,8 @@ def gather_object(
     Args:
         data: This rank's object.
         dst: Rank (within ``group``) that receives the objects.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         map_location: Device for received tensors (see :func:`all_gather_object`).
         serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
             the process-wide setting (see :func:`set_serializer`).
@@ -171,7 +173,8 @@ def broadcast_object_list(
     Args:
         data: On ``src``, the objects to send; elsewhere, the list to fill.
         src: Rank (within ``group``) whose list is sent.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         map_location: Device for received tensors (see :func:`all_gather_object`).
         serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
             the process-wide setting (see :func:`set_serializer`).
@@ -229,7 +232,8 @@ def broadcast_object(
     Args:
         obj: The object to send on ``src``; ignored elsewhere.
         src: Rank (within ``group``) whose object is sent.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         map_location: Device for received tensors (see :func:`all_gather_object`).
         serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
             the process-wide setting (see :func:`set_serializer`).
@@ -273,7 +277,8 @@ def scatter_object_list(
     Args:
         data: On ``src``, one picklable object per rank; ignored elsewhere.
         src: Rank (within ``group``) that holds the objects.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         map_location: Device for received tensors (see :func:`all_gather_object`).
         serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
             the process-wide setting (see :func:`set_serializer`).
@@ -322,7 +327,8 @@ def all_to_all_object(
 
     Args:
         data: One picklable object per rank of ``group``.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         map_location: Device for received tensors (see :func:`all_gather_object`).
         serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
             the process-wide setting (see :func:`set_serializer`).

@@ -21,8 +21,8 @@ from typing import Literal, Optional, Union, overload
 
 from torch import Tensor
 
-from distkit.dist import _args, _ops
-from distkit.dist._comm import GroupLike, resolve
+from distkit.dist import _args, _autograd, _ops
+from distkit.dist._comm import Comm, GroupLike, resolve
 from distkit.dist._ops import OpLike
 from distkit.dist._shortcut import shortcut
 from distkit.dist.handle import Handle
@@ -30,19 +30,39 @@ from distkit.dist.handle import Handle
 
 @overload
 def all_reduce(
-    data: Tensor, op: OpLike = ..., group: GroupLike = ..., async_op: Literal[False] = ...
+    data: Tensor,
+    op: OpLike = ...,
+    group: GroupLike = ...,
+    async_op: Literal[False] = ...,
+    *,
+    grad: bool = ...,
 ) -> Tensor: ...
 @overload
 def all_reduce(
-    data: Tensor, op: OpLike = ..., group: GroupLike = ..., *, async_op: Literal[True]
+    data: Tensor,
+    op: OpLike = ...,
+    group: GroupLike = ...,
+    *,
+    async_op: Literal[True],
+    grad: bool = ...,
 ) -> Handle[Tensor]: ...
 @overload
 def all_reduce(
-    data: Tensor, op: OpLike = ..., group: GroupLike = ..., async_op: bool = ...
+    data: Tensor,
+    op: OpLike = ...,
+    group: GroupLike = ...,
+    async_op: bool = ...,
+    *,
+    grad: bool = ...,
 ) -> Union[Tensor, Handle[Tensor]]: ...
-@shortcut("data", data=Tensor, op=("sum", "mean"), group=None, async_op=False)
+@shortcut("data", data=Tensor, op=("sum", "mean"), group=None, async_op=False, grad=False)
 def all_reduce(
-    data: Tensor, op: OpLike = "sum", group: GroupLike = None, async_op: bool = False
+    data: Tensor,
+    op: OpLike = "sum",
+    group: GroupLike = None,
+    async_op: bool = False,
+    *,
+    grad: bool = False,
 ) -> Union[Tensor, Handle[Tensor]]:
     """Reduce ``data`` across ranks, in place, and return it.
 
@@ -62,16 +82,26 @@ def all_reduce(
         op: ``sum``, ``mean``, ``max``, ``min``, ``product``, ``band``, ``bor`` or ``bxor``
             (any case; ``avg`` and ``prod``, torch's names, are the same as ``mean`` and
             ``product``), or a ``torch.distributed.ReduceOp``.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns ``data``.
+        grad: Differentiable: return a new tensor (``data`` is left alone) through which
+            gradients flow back to every rank's ``data``. The loss differentiated is the
+            sum of every rank's loss (as in ``torch.distributed.nn``): the gradient each
+            rank's ``data`` receives is the all-reduced (``sum`` or ``mean``) upstream
+            gradient. Only ``sum`` and ``mean``; every rank must run backward.
+            Single process: the identity, with autograd intact.
 
     Returns:
-        ``data``, now holding the reduction over all ranks.
+        ``data``, now holding the reduction over all ranks (a new tensor with
+        ``grad=True``).
 
     Raises:
-        TypeError: ``data`` is not a tensor, or ``op`` does not apply to its dtype
-            (bitwise ops on floats, ``max`` on complex).
-        ValueError: ``op`` is not a known name.
+        TypeError: ``data`` is not a tensor (a DTensor included: pass ``.to_local()`` or
+            ``.full_tensor()``), or ``op`` does not apply to its dtype (bitwise ops on
+            floats, ``max`` on complex).
+        ValueError: ``op`` is not a known name, or ``grad=True`` with another op than
+            ``sum``/``mean`` or with ``async_op=True``.
 
     Examples:
         >>> import torch
@@ -90,6 +120,9 @@ def all_reduce(
     rop = _ops.resolve(op, fn, comm)
     _ops.check_dtype(rop, data, "data", fn, comm)
     _args.flag(async_op, "async_op", fn, comm)
+    if _args.flag(grad, "grad", fn, comm):
+        _grad_checks(rop, async_op, fn, comm)
+        return _autograd.all_reduce(data, rop, group)
     return comm.backend.all_reduce(comm, data, rop, async_op)
 
 
@@ -99,18 +132,35 @@ def all_gather(
     group: GroupLike = ...,
     async_op: Literal[False] = ...,
     same_shape: bool = ...,
+    *,
+    grad: bool = ...,
 ) -> list[Tensor]: ...
 @overload
 def all_gather(
-    data: Tensor, group: GroupLike = ..., *, async_op: Literal[True], same_shape: bool = ...
+    data: Tensor,
+    group: GroupLike = ...,
+    *,
+    async_op: Literal[True],
+    same_shape: bool = ...,
+    grad: bool = ...,
 ) -> Handle[list[Tensor]]: ...
 @overload
 def all_gather(
-    data: Tensor, group: GroupLike = ..., async_op: bool = ..., same_shape: bool = ...
+    data: Tensor,
+    group: GroupLike = ...,
+    async_op: bool = ...,
+    same_shape: bool = ...,
+    *,
+    grad: bool = ...,
 ) -> Union[list[Tensor], Handle[list[Tensor]]]: ...
-@shortcut("[data]", data=Tensor, group=None, async_op=False, same_shape=(False, True))
+@shortcut("[data]", data=Tensor, group=None, async_op=False, same_shape=(False, True), grad=False)
 def all_gather(
-    data: Tensor, group: GroupLike = None, async_op: bool = False, same_shape: bool = False
+    data: Tensor,
+    group: GroupLike = None,
+    async_op: bool = False,
+    same_shape: bool = False,
+    *,
+    grad: bool = False,
 ) -> Union[list[Tensor], Handle[list[Tensor]]]:
     """Gather ``data`` from every rank; shapes may differ between ranks.
 
@@ -126,15 +176,22 @@ def all_gather(
 
     Args:
         data: This rank's tensor, of any shape.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
         same_shape: Promise that every rank passes the same shape and dtype; saves the
             shape round. Breaking the promise is an error of the backend (gloo: "invalid
             tensor size"), or silent corruption on some backends.
+        grad: Differentiable (e.g. for contrastive losses): gradients flow back from
+            every entry to the rank that sent it. The loss differentiated is the sum of
+            every rank's loss (as in ``torch.distributed.nn``): each rank's ``data``
+            receives the sum, over ranks, of the gradients computed for its entry. Every
+            entry is then a new tensor. Every rank must run backward.
+            Single process: ``[copy of data]``, with autograd intact.
 
     Returns:
         One tensor per rank, in rank order, on ``data``'s device. The entry at this rank's
-        index is ``data`` itself; the others are new tensors.
+        index is ``data`` itself (a copy with ``grad=True``); the others are new tensors.
 
     Raises:
         TypeError: ``data`` is not a tensor, or ranks passed different dtypes.
@@ -155,6 +212,9 @@ def all_gather(
     _args.tensor(data, "data", fn, comm)
     _args.flag(async_op, "async_op", fn, comm)
     _args.flag(same_shape, "same_shape", fn, comm)
+    if _args.flag(grad, "grad", fn, comm):
+        _grad_checks(None, async_op, fn, comm)
+        return _autograd.all_gather(data, group, same_shape)
     return comm.backend.all_gather(comm, data, async_op, same_shape)
 
 
@@ -199,7 +259,8 @@ def gather(
     Args:
         data: This rank's tensor, of any shape.
         dst: Rank (within ``group``) that receives the tensors.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
         same_shape: Promise that every rank passes the same shape and dtype; saves the
             shape round (see :func:`all_gather`).
@@ -260,7 +321,8 @@ def broadcast(
     Args:
         data: The tensor to send (on ``src``) or to overwrite (elsewhere).
         src: Rank (within ``group``) whose tensor is sent.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns ``data``.
 
     Returns:
@@ -333,7 +395,8 @@ def reduce(
         op: ``sum``, ``mean``, ``max``, ``min``, ``product``, ``band``, ``bor`` or ``bxor``
             (any case; ``avg`` and ``prod``, torch's names, are the same as ``mean`` and
             ``product``), or a ``torch.distributed.ReduceOp``.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns ``data``.
 
     Returns:
@@ -371,6 +434,8 @@ def reduce_scatter(
     op: OpLike = ...,
     group: GroupLike = ...,
     async_op: Literal[False] = ...,
+    *,
+    grad: bool = ...,
 ) -> Tensor: ...
 @overload
 def reduce_scatter(
@@ -379,6 +444,7 @@ def reduce_scatter(
     group: GroupLike = ...,
     *,
     async_op: Literal[True],
+    grad: bool = ...,
 ) -> Handle[Tensor]: ...
 @overload
 def reduce_scatter(
@@ -386,12 +452,16 @@ def reduce_scatter(
     op: OpLike = ...,
     group: GroupLike = ...,
     async_op: bool = ...,
+    *,
+    grad: bool = ...,
 ) -> Union[Tensor, Handle[Tensor]]: ...
 def reduce_scatter(
     data: Union[Tensor, list[Tensor]],
     op: OpLike = "sum",
     group: GroupLike = None,
     async_op: bool = False,
+    *,
+    grad: bool = False,
 ) -> Union[Tensor, Handle[Tensor]]:
     """Reduce across ranks, then give rank ``r`` the ``r``-th chunk of the result.
 
@@ -404,8 +474,13 @@ def reduce_scatter(
         op: ``sum``, ``mean``, ``max``, ``min``, ``product``, ``band``, ``bor`` or ``bxor``
             (any case; ``avg`` and ``prod``, torch's names, are the same as ``mean`` and
             ``product``), or a ``torch.distributed.ReduceOp``.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the chunk.
+        grad: Differentiable: the loss differentiated is the sum of every rank's loss
+            (as in ``torch.distributed.nn``); the gradient of chunk ``r`` of each rank's
+            input is rank ``r``'s upstream gradient (divided by the group size for
+            ``mean``). Only ``sum`` and ``mean``; every rank must run backward.
 
     Returns:
         A new tensor: this rank's chunk of the reduction, on the input's device. The input
@@ -431,6 +506,8 @@ def reduce_scatter(
     fn = "reduce_scatter"
     comm = resolve(group, fn)
     if isinstance(data, Tensor):
+        if data.__class__ is not Tensor:
+            _args.not_dtensor(data, "data", fn, comm)
         if data.dim() == 0 or data.shape[0] % comm.size:
             _args.fail(
                 ValueError,
@@ -447,7 +524,23 @@ def reduce_scatter(
     rop = _ops.resolve(op, fn, comm)
     _ops.check_dtype(rop, first, "data", fn, comm)
     _args.flag(async_op, "async_op", fn, comm)
+    if _args.flag(grad, "grad", fn, comm):
+        _grad_checks(rop, async_op, fn, comm)
+        return _autograd.reduce_scatter(data, rop, group)
     return comm.backend.reduce_scatter(comm, data, rop, async_op)
+
+
+def _grad_checks(op: Optional[_ops.Op], async_op: bool, fn: str, comm: Comm) -> None:
+    if async_op:
+        _args.fail(
+            ValueError,
+            fn,
+            comm,
+            "grad=True cannot be combined with async_op=True",
+            "Call it synchronously; the backward pass communicates synchronously too",
+        )
+    if op is not None:
+        _autograd.check_op(op, fn, comm)
 
 
 @overload
@@ -482,7 +575,8 @@ def all_to_all(
 
     Args:
         data: One tensor per rank of ``group``, all of one dtype; ``data[r]`` goes to rank r.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
         same_shape: Promise that every tensor of every rank has one shape; saves the shape
             round. The shapes of this rank's own list are checked.
@@ -562,7 +656,8 @@ def all_to_all_single(
             the other ranks' ``input_split_sizes`` (one small extra round) when
             ``input_split_sizes`` is given, else an even split.
         input_split_sizes: Rows to send to each rank; ``None`` splits ``data`` evenly.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the tensor.
 
     Returns:
@@ -649,7 +744,8 @@ def scatter(
         data: On ``src``, one tensor per rank, all of one dtype; ignored elsewhere (pass
             ``None``).
         src: Rank (within ``group``) that holds the tensors.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the tensor.
 
     Returns:
@@ -693,7 +789,8 @@ def barrier(group: GroupLike = None) -> None:
     Single process: returns at once.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
 
     Examples:
         >>> import distkit.dist as dist

@@ -64,7 +64,8 @@ def get_rank(group: GroupLike = None) -> int:
     Single process: returns 0.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
 
     Returns:
         The rank, from 0 to the group size minus one.
@@ -87,7 +88,8 @@ def get_world_size(group: GroupLike = None) -> int:
     Single process: returns 1.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
 
     Returns:
         The group size.
@@ -110,7 +112,8 @@ def get_dist_info(group: GroupLike = None) -> tuple[int, int]:
     Single process: returns ``(0, 1)``.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
 
     Returns:
         This process's rank in ``group`` and the size of ``group``.
@@ -130,7 +133,8 @@ def is_main_process(group: GroupLike = None) -> bool:
     Single process: returns True.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
 
     Examples:
         >>> import distkit.dist as dist
@@ -174,7 +178,8 @@ def get_backend(group: GroupLike = None) -> Optional[str]:
     Single process: returns ``None`` (there is no backend).
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
+            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
 
     Examples:
         >>> import distkit.dist as dist

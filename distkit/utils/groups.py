@@ -29,6 +29,9 @@ from distkit._compat import destroy as destroy_groups
 _Key = tuple[tuple[int, ...], str, Optional[float]]
 
 _groups: dict[_Key, Any] = {}
+# the groups of get_group(ranks) with the default backend and timeout, by sorted ranks:
+# what torch.compile's tracer looks up (cached_group) without creating anything
+_plain: dict[tuple[int, ...], Any] = {}
 # gloo twin of a group whose backend cannot move CPU tensors (nccl, hccl, ...)
 _cpu_twins: dict[Any, Any] = {}
 # the default process group the cache was filled under, held weakly: a group distkit
@@ -40,6 +43,7 @@ def _cache_for(world: Any) -> dict[_Key, Any]:
     global _owner
     if _owner is None or _owner() is not world:
         _groups.clear()
+        _plain.clear()
         _cpu_twins.clear()
         _owner = weakref.ref(world)
     return _groups
@@ -65,6 +69,20 @@ def _normalize_ranks(ranks: Iterable[int], world_size: int) -> tuple[int, ...]:
     if len(set(out)) != len(out):
         raise ValueError(f"get_group: ranks must not repeat, got {out}")
     return tuple(sorted(out))
+
+
+def cached_group(ranks: Iterable[int], world: Any) -> Any:
+    """The group ``get_group(ranks)`` returns, if it exists already, else ``None``.
+
+    Creates nothing, touches no weak reference: torch.compile's tracer runs this (a
+    rank list it finds here is a constant of the graph). ``world`` is the default group.
+    """
+    key_ranks = _normalize_ranks(ranks, world.size())
+    if key_ranks == tuple(range(world.size())):
+        return world
+    if _owner is None or _owner() is not world:
+        return None
+    return _plain.get(key_ranks)
 
 
 def supports_cpu(config: str) -> bool:
@@ -131,6 +149,8 @@ def get_group(
             timeout = group_timeout(world) or default_pg_timeout
         pg = td.new_group(list(key_ranks), backend=backend, timeout=timeout)
         cache[key] = pg
+        if name == default_backend and seconds is None:
+            _plain[key_ranks] = pg
         if isinstance(pg, ProcessGroup) and not supports_cpu(backend_config(pg)):
             # Object collectives want a CPU channel; build it now, while every rank is
             # here anyway, rather than later inside a collective that only members call.
@@ -201,6 +221,7 @@ def clear_group_cache(destroy: bool = False) -> None:
         if destroy and world is not None and isinstance(pg, ProcessGroup) and pg is not world
     ]
     _groups.clear()
+    _plain.clear()
     _cpu_twins.clear()
     _owner = None
     del world

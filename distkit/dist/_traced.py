@@ -1,0 +1,209 @@
+"""The backend that runs while ``torch.compile`` traces: torch's functional collectives.
+
+:func:`distkit.dist._comm.resolve` hands out this backend (with a
+:class:`~distkit.dist._comm.TracedComm`) when ``torch.compiler.is_compiling()``. It does
+only what traces: no thread guard, no call counting, no debug check, no size history
+(the eager backend's :func:`~distkit.dist._watch.watched` bookkeeping), and no staging
+through ``is_conj()`` and friends. Results and aliasing are the eager backend's:
+``all_reduce`` and ``broadcast`` write into the caller's tensor (``copy_``, which the
+compiler turns into an in-place update) and return it; a list result holds the caller's
+own tensor at this rank's index; new tensors carry no autograd history.
+
+What needs a value only known at run time (the shapes of an uneven ``all_gather``, the
+sizes of ``all_to_all_single`` without ``output_split_sizes``), pickles objects, blocks
+(``barrier``) or returns a handle (``async_op=True``) runs eagerly instead, through
+:meth:`~distkit.dist._comm.TracedComm.eager`: a ``torch.compiler.disable``d call, i.e. a
+clean graph break whose reason names distkit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+from distkit.dist._backend import Backend, ObjectCall, Result
+
+if TYPE_CHECKING:
+    from distkit.dist._comm import Comm, TracedComm
+    from distkit.dist._ops import Op
+
+# distkit's op names as the functional collectives spell them (mean: sum, then divide)
+# (while tracing, each functional collective's result already comes waited on)
+_FUNCTIONAL_OPS = {
+    "sum": "sum",
+    "mean": "sum",
+    "max": "max",
+    "min": "min",
+    "product": "product",
+    "band": "band",
+    "bor": "bor",
+    "bxor": "bxor",
+}
+
+
+def _input(t: Tensor) -> Tensor:
+    """``t`` as a collective's input: untracked and contiguous."""
+    t = t.detach()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _mean(total: Tensor, size: int) -> Tensor:
+    """:func:`distkit.dist._ops.mean_of`, out of place (integers truncate, bools stay)."""
+    if total.dtype.is_floating_point or total.dtype.is_complex:
+        return total / size
+    if total.dtype is torch.bool:
+        return total
+    return torch.div(total, size, rounding_mode="trunc")
+
+
+def _reduce_locally(chunks: Tensor, name: str) -> Tensor:
+    """Reduce ``chunks`` (one per rank, stacked on dim 0) as the eager backend does."""
+    if name in ("sum", "mean"):
+        return chunks.any(0) if chunks.dtype is torch.bool else chunks.sum(0, dtype=chunks.dtype)
+    if name == "max":
+        return chunks.amax(0)
+    if name == "min":
+        return chunks.amin(0)
+    if name == "product":
+        return chunks.all(0) if chunks.dtype is torch.bool else chunks.prod(0, dtype=chunks.dtype)
+    combine = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[name]
+    out = chunks[0]
+    for i in range(1, chunks.shape[0]):
+        out = combine(out, chunks[i])
+    return out
+
+
+class TracedBackend(Backend):
+    name = "traced"
+
+    # -- traced ---------------------------------------------------------------------------
+
+    def all_reduce(self, comm: Comm, data: Tensor, op: Op, async_op: bool) -> Result[Tensor]:
+        if async_op or comm.pg is None:
+            return _eager(comm).eager("all_reduce", data, op, async_op)
+        import torch.distributed._functional_collectives as fc
+
+        out = fc.all_reduce(_input(data), _FUNCTIONAL_OPS[op.name], comm.pg)
+        if op.divide:
+            out = _mean(out, comm.size)
+        data.detach().copy_(out)
+        return data
+
+    def all_gather(
+        self, comm: Comm, data: Tensor, async_op: bool, same_shape: bool
+    ) -> Result[list[Tensor]]:
+        if async_op or not same_shape or comm.pg is None:
+            return _eager(comm).eager("all_gather", data, async_op, same_shape)
+        import torch.distributed._functional_collectives as fc
+
+        flat = _input(data).reshape(1, -1)
+        out = fc.all_gather_tensor(flat, 0, comm.pg)
+        rows = out.view(comm.size, *data.shape).unbind(0)
+        return [data if r == comm.rank else rows[r] for r in range(comm.size)]
+
+    def broadcast(self, comm: Comm, data: Tensor, src: int, async_op: bool) -> Result[Tensor]:
+        if async_op or comm.pg is None:
+            return _eager(comm).eager("broadcast", data, src, async_op)
+        import torch.distributed._functional_collectives as fc
+
+        out = fc.broadcast(_input(data), comm.global_rank(src), comm.pg)
+        if comm.rank != src:
+            data.detach().copy_(out)
+        return data
+
+    def reduce_scatter(
+        self, comm: Comm, data: Union[Tensor, list[Tensor]], op: Op, async_op: bool
+    ) -> Result[Tensor]:
+        if async_op or comm.pg is None:
+            return _eager(comm).eager("reduce_scatter", data, op, async_op)
+        import torch.distributed._functional_collectives as fc
+
+        size = comm.size
+        # as the eager backend on the CPU: chunk r goes to rank r, which reduces locally
+        buf = torch.stack([_input(t) for t in data]) if isinstance(data, list) else _input(data)
+        chunk_shape = (buf.shape[0] // size, *buf.shape[1:])
+        if isinstance(data, list):
+            chunk_shape = tuple(buf.shape[1:])
+        flat = buf.reshape(size, -1)
+        received = fc.all_to_all_single(flat, None, None, comm.pg)
+        out = _reduce_locally(received.view(size, *chunk_shape), op.name)
+        if op.divide:
+            out = _mean(out, size)
+        return out
+
+    def all_to_all_single(
+        self,
+        comm: Comm,
+        data: Tensor,
+        output_split_sizes: Optional[list[int]],
+        input_split_sizes: Optional[list[int]],
+        async_op: bool,
+    ) -> Result[Tensor]:
+        if async_op or comm.pg is None or (output_split_sizes is None and input_split_sizes):
+            return _eager(comm).eager(
+                "all_to_all_single", data, output_split_sizes, input_split_sizes, async_op
+            )
+        import torch.distributed._functional_collectives as fc
+
+        return fc.all_to_all_single(_input(data), output_split_sizes, input_split_sizes, comm.pg)
+
+    # -- eager, between graphs ------------------------------------------------------------
+
+    def gather(
+        self, comm: Comm, data: Tensor, dst: int, async_op: bool, same_shape: bool
+    ) -> Result[list[Tensor]]:
+        return _eager(comm).eager("gather", data, dst, async_op, same_shape)
+
+    def reduce(self, comm: Comm, data: Tensor, dst: int, op: Op, async_op: bool) -> Result[Tensor]:
+        return _eager(comm).eager("reduce", data, dst, op, async_op)
+
+    def all_to_all(
+        self, comm: Comm, data: list[Tensor], async_op: bool, same_shape: bool
+    ) -> Result[list[Tensor]]:
+        return _eager(comm).eager("all_to_all", data, async_op, same_shape)
+
+    def scatter(
+        self,
+        comm: Comm,
+        data: Optional[list[Tensor]],
+        src: int,
+        async_op: bool,
+        error: Optional[Exception] = None,
+    ) -> Result[Tensor]:
+        return _eager(comm).eager("scatter", data, src, async_op, error)
+
+    def barrier(self, comm: Comm) -> None:
+        return _eager(comm).eager("barrier")
+
+    def all_gather_object(self, comm: Comm, data: Any, call: ObjectCall) -> list[Any]:
+        return _eager(comm).eager("all_gather_object", data, call)
+
+    def gather_object(
+        self, comm: Comm, data: Any, dst: int, call: ObjectCall
+    ) -> Optional[list[Any]]:
+        return _eager(comm).eager("gather_object", data, dst, call)
+
+    def broadcast_object(self, comm: Comm, obj: Any, src: int, name: str, call: ObjectCall) -> Any:
+        return _eager(comm).eager("broadcast_object", obj, src, name, call)
+
+    def scatter_object(
+        self,
+        comm: Comm,
+        data: Optional[list[Any]],
+        src: int,
+        call: ObjectCall,
+        error: Optional[Exception] = None,
+    ) -> Any:
+        return _eager(comm).eager("scatter_object", data, src, call, error)
+
+    def all_to_all_object(self, comm: Comm, data: list[Any], call: ObjectCall) -> list[Any]:
+        return _eager(comm).eager("all_to_all_object", data, call)
+
+
+def _eager(comm: Comm) -> TracedComm:
+    return comm  # type: ignore[return-value]  # this backend only ever gets a TracedComm
+
+
+TRACED = TracedBackend()

@@ -1,0 +1,180 @@
+"""torch.compile: the listed collectives trace with fullgraph=True; the rest break cleanly.
+
+Compiling is slow on a small machine: each check compiles few functions (backend
+``aot_eager``), and compares each with the same function run eagerly, on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import in_fresh_world, world
+
+import distkit.dist as dist
+from distkit.testing import ranks
+
+COMPILE_TIMEOUT = 600
+
+
+def _compiled(fn, fullgraph: bool = True):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="aot_eager", fullgraph=fullgraph)
+
+
+def _same(got, expected) -> None:
+    if isinstance(expected, (list, tuple)):
+        assert type(got) is type(expected) and len(got) == len(expected)
+        for g, e in zip(got, expected):
+            _same(g, e)
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor)
+        assert got.dtype == expected.dtype and torch.equal(got, expected), (got, expected)
+    else:
+        assert got == expected
+
+
+def _against_eager(fn, *inputs, fullgraph: bool = True):
+    """Run ``fn`` compiled and eagerly on copies of ``inputs``: same results, same writes."""
+    eager_in = [t.clone() for t in inputs]
+    compiled_in = [t.clone() for t in inputs]
+    expected = fn(*eager_in)
+    got = _compiled(fn, fullgraph)(*compiled_in)
+    _same(got, expected)
+    _same(compiled_in, eager_in)  # in-place collectives filled the caller's tensors
+    return got
+
+
+def _reductions(f, i):
+    out = [dist.all_reduce(f.clone(), op=op) for op in ("sum", "mean", "max", "min", "product")]
+    out += [dist.all_reduce(i.clone(), op=op) for op in ("mean", "band", "bor", "bxor")]
+    dist.all_reduce(f)  # in place, on the caller's tensor
+    return out
+
+
+def _gather_scatter(t, flat):
+    gathered = dist.all_gather(t, same_shape=True)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    return (
+        torch.stack(gathered),
+        dist.reduce_scatter(flat, op="sum"),
+        dist.reduce_scatter(list(flat.chunk(size)), op="max"),
+        dist.all_to_all_single(flat),
+        dist.all_to_all_single(flat, [2] * size, [2] * size),
+        dist.broadcast(t, src=size - 1),
+        torch.tensor([rank, size, int(dist.is_distributed())]),
+    )
+
+
+@ranks(0, 2, timeout=COMPILE_TIMEOUT)
+def test_listed_collectives_trace_with_fullgraph_and_match_eager():
+    import torch._dynamo
+
+    rank, size = world()
+    f = torch.tensor([rank + 1.0, -2.0 * rank, 0.5])
+    i = torch.tensor([rank + 5, 3, -7 * (rank + 1)])
+    _against_eager(_reductions, f, i)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(_reductions)(f.clone(), i.clone())
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    t = torch.arange(3.0) + 10 * rank
+    flat = torch.arange(2.0 * size * 2).view(2 * size, 2) * (rank + 1)
+    _against_eager(_gather_scatter, t, flat)
+
+
+def _uneven_splits(t):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    out_splits = [rank + 1] * size  # rank s sends r + 1 rows to rank r
+    in_splits = [r + 1 for r in range(size)]
+    return dist.all_to_all_single(t, out_splits, in_splits)
+
+
+def _on_groups(t, group):
+    out = dist.all_reduce(t.clone(), op="mean", group=group)
+    got = dist.all_gather(t, group=group, same_shape=True)
+    return out * dist.get_world_size(group) + dist.get_rank(group), torch.stack(got)
+
+
+def test_uneven_explicit_splits_and_group_forms_trace():
+    # a world of its own: the mesh's groups must not reach the shared pools (conftest)
+    in_fresh_world(_splits_and_group_forms, 2, timeout=COMPILE_TIMEOUT)
+
+
+def _splits_and_group_forms():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from distkit.utils import get_group
+
+    rank, size = world()
+    t = torch.arange(sum(r + 1 for r in range(size)), dtype=torch.float32) + 100 * rank
+    _against_eager(_uneven_splits, t)
+    get_group(list(range(size)))  # a cached rank list
+    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("dp",))
+    for group in (list(range(size)), mesh, (mesh, "dp"), (mesh, 0)):
+        _against_eager(lambda x, g=group: _on_groups(x, g), torch.tensor([rank + 1.0, 2.0]))
+
+
+def _breaks(t):
+    t = t * 2  # something to compile before the break
+    parts = dist.all_gather(t[: dist.get_rank() + 1])  # uneven: shapes are exchanged
+    objs = dist.all_gather_object({"r": dist.get_rank()})
+    dist.barrier()
+    handle = dist.all_reduce(t.clone(), async_op=True)
+    return torch.cat(parts), torch.tensor([o["r"] for o in objs]), handle.wait() + 1
+
+
+@ranks(2, timeout=COMPILE_TIMEOUT)
+def test_what_cannot_trace_breaks_the_graph_cleanly_and_stays_correct():
+    import torch._dynamo
+
+    rank, _ = world()
+    t = torch.arange(4.0) + rank
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(_breaks)(t.clone())
+    reasons = " ".join(str(r.reason) for r in explained.break_reasons)
+    assert explained.graph_break_count >= 1
+    assert "distkit.dist.all_gather cannot be traced" in reasons
+    _against_eager(_breaks, t, fullgraph=False)
+    with pytest.raises(Exception, match=r"distkit\.dist\.all_gather_object pickles objects"):
+        _compiled(lambda x: x + len(dist.all_gather_object({"r": 1})))(t)
+    torch._dynamo.reset()
+
+
+def _bad_op(t):
+    return dist.all_reduce(t, op="nope")
+
+
+@ranks(0, 2, timeout=COMPILE_TIMEOUT)
+def test_argument_errors_are_the_eager_ones():
+    t = torch.ones(2)
+    with pytest.raises(ValueError) as eager:
+        _bad_op(t)
+    with pytest.raises(ValueError) as compiled:  # the same error, the same message
+        _compiled(_bad_op, fullgraph=False)(t)
+    assert str(compiled.value) == str(eager.value)
+    with pytest.raises(Exception) as strict:  # fullgraph: torch wraps it, message kept
+        _compiled(_bad_op)(t)
+    assert str(eager.value) in str(strict.value)
+    torch._dynamo.reset()
+
+
+def _grad_step(x):
+    gathered = dist.all_gather(x * 2, grad=True, same_shape=True)
+    reduced = dist.all_reduce(x.sin(), op="mean", grad=True)
+    scattered = dist.reduce_scatter(x.repeat(dist.get_world_size(), 1), grad=True)
+    loss = sum((i + 1) * g.pow(2).sum() for i, g in enumerate(gathered))
+    return loss + reduced.sum() * 3 + scattered.exp().sum()
+
+
+@ranks(0, 2, timeout=COMPILE_TIMEOUT)
+def test_grad_collectives_trace_forward_and_backward():
+    rank, _ = world()
+    base = torch.arange(6.0).view(2, 3) / 10 + rank
+    x_eager = base.clone().requires_grad_()
+    _grad_step(x_eager).backward()
+    x = base.clone().requires_grad_()
+    loss = _compiled(_grad_step)(x)
+    loss.backward()
+    torch.testing.assert_close(x.grad, x_eager.grad)
+    torch._dynamo.reset()

@@ -1,0 +1,165 @@
+"""DeviceMesh dimensions as ``group=``: ``mesh["dp"]``, ``(mesh, "dp")``, ``(mesh, 0)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import in_fresh_world, world
+
+import distkit.dist as dist
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def _every_mesh_form_names_the_same_group():
+    rank, _ = world()
+    mesh = _mesh()
+    dp, tp = rank // 2, rank % 2  # row-major: rank = 2 * dp + tp
+    for forms, mine, members in (
+        ((mesh["dp"], (mesh, "dp"), (mesh, 0)), dp, [tp, 2 + tp]),
+        ((mesh["tp"], (mesh, "tp"), (mesh, 1)), tp, [2 * dp, 2 * dp + 1]),
+    ):
+        for group in forms:
+            assert dist.get_rank(group=group) == mine
+            assert dist.get_world_size(group=group) == 2
+            assert dist.get_dist_info(group=group) == (mine, 2)
+            assert dist.is_main_process(group=group) == (mine == 0)
+            t = torch.tensor([float(rank)])
+            assert dist.all_reduce(t, group=group) is t
+            assert t.item() == sum(members)
+            got = dist.all_gather(torch.tensor([rank]), group=group)
+            assert [x.item() for x in got] == members
+            assert dist.broadcast(torch.tensor([rank]), src=1, group=group).item() == members[1]
+            assert dist.all_gather_object({"r": rank}, group=group) == [{"r": m} for m in members]
+            dist.barrier(group=group)
+
+
+def _bad_mesh_groups_fail_clearly():
+    mesh = _mesh()
+    with pytest.raises(TypeError, match=r"2-D DeviceMesh.*mesh\[\"dp\"\]"):
+        dist.all_reduce(torch.ones(1), group=mesh)
+    with pytest.raises(TypeError, match="2-D DeviceMesh"):
+        dist.get_rank(group=mesh)
+    with pytest.raises(ValueError, match="no dimension 'pp'"):
+        dist.all_gather(torch.ones(1), group=(mesh, "pp"))
+    with pytest.raises(ValueError, match="has 2 dimension"):
+        dist.all_gather(torch.ones(1), group=(mesh, 2))
+    with pytest.raises(TypeError, match="dimension name or index"):
+        dist.all_gather(torch.ones(1), group=(mesh, 1.0))
+    # a plain pair of ranks is still a rank list (its group is created on every rank)
+    if dist.get_rank() < 2:
+        assert dist.get_world_size(group=(0, 1)) == 2
+    else:
+        with pytest.raises(ValueError, match="not a member of group"):
+            dist.get_world_size(group=(0, 1))
+
+
+def _one_dimensional_mesh_is_a_group():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, size = world()
+    mesh = init_device_mesh("cpu", (size,))
+    assert dist.get_rank(group=mesh) == rank
+    t = torch.tensor([rank + 1])
+    assert dist.all_reduce(t, group=mesh).item() == 3
+    assert dist.all_reduce(torch.tensor([rank + 1]), group=(mesh, 0)).item() == 3
+
+
+def test_a_mesh_without_a_process_group_fails_clearly():
+    # A mesh needs a process group; one that outlived its world (destroyed) is refused
+    # with a ValueError that says so, the same as a destroyed ProcessGroup.
+    from torch.distributed.device_mesh import DeviceMesh
+
+    fake = DeviceMesh.__new__(DeviceMesh)
+    with pytest.raises(ValueError, match="DeviceMesh, but no process group exists"):
+        dist.all_reduce(torch.ones(1), group=fake)
+    with pytest.raises(ValueError, match="DeviceMesh, but no process group exists"):
+        dist.get_rank(group=(fake, "dp"))
+
+
+def _dtensor_checks():
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rank, size = world()
+    mesh = init_device_mesh("cpu", (size,))
+    dt = distribute_tensor(torch.arange(2.0 * size), mesh, [Shard(0)])
+    for call in (
+        lambda: dist.all_reduce(dt),
+        lambda: dist.all_gather(dt),
+        lambda: dist.broadcast(dt),
+        lambda: dist.reduce_scatter([dt] * size),
+        lambda: dist.all_gather(dt, group=mesh),
+    ):
+        with pytest.raises(TypeError, match=r"is a DTensor.*to_local\(\).*full_tensor\(\)"):
+            call()
+    mine = {"w": dt, "rank": rank}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pickling a DTensor whole warns about its mesh
+        got = dist.all_gather_object(mine)
+        one = dist.broadcast_object(dt, src=size - 1)
+    assert got[rank] is mine  # this rank's own entry is what it passed, as always
+    for r, g in enumerate(got):
+        if r != rank:  # the others' DTensors arrive as their local shards
+            assert type(g["w"]) is torch.Tensor and g["rank"] == r
+            assert g["w"].tolist() == [2.0 * r, 2.0 * r + 1]
+    if rank == size - 1:
+        assert one is dt
+    else:
+        assert type(one) is torch.Tensor and one.tolist() == [2.0 * size - 2, 2.0 * size - 1]
+
+
+def _mesh_step(t, mesh, pair):
+    dp, tp = mesh["dp"], (mesh, "tp")
+    summed = dist.all_reduce(t.clone(), group=dp)
+    gathered = dist.all_gather(t, group=tp, same_shape=True)
+    paired = dist.all_reduce(t.clone(), op="max", group=pair)
+    info = torch.tensor([dist.get_rank(group=dp), dist.get_world_size(group=tp)])
+    return summed, torch.stack(gathered), paired, info
+
+
+def _mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph():
+    import torch._dynamo
+
+    from distkit.utils import get_group
+
+    rank, _ = world()
+    pairs = [get_group([0, 2]), get_group([1, 3])]  # created eagerly, on every rank
+    mesh = _mesh()
+    pair = [0, 2] if rank in (0, 2) else [1, 3]
+    assert pairs[rank % 2] is not None
+    t = torch.tensor([rank + 1.0, -rank])
+    expected = _mesh_step(t.clone(), mesh, pair)
+    torch._dynamo.reset()
+    step = torch.compile(_mesh_step, backend="aot_eager", fullgraph=True)
+    got = step(t.clone(), mesh, pair)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+    torch._dynamo.reset()
+
+
+def test_every_mesh_form_names_the_same_group():
+    in_fresh_world(_every_mesh_form_names_the_same_group, 4, timeout=300)
+
+
+def test_bad_mesh_groups_fail_clearly():
+    in_fresh_world(_bad_mesh_groups_fail_clearly, 4, timeout=300)
+
+
+def test_one_dimensional_mesh_is_a_group():
+    in_fresh_world(_one_dimensional_mesh_is_a_group, 2, timeout=300)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_dtensors_are_refused_by_tensor_collectives_and_travel_as_shards_in_objects(size):
+    in_fresh_world(_dtensor_checks, size, timeout=300)
+
+
+def test_mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph():
+    in_fresh_world(_mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph, 4, timeout=600)
