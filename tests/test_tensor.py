@@ -309,8 +309,9 @@ def test_same_shape_skips_the_shape_round():
         out = dist.all_gather(t, same_shape=True)
     assert out[rank] is t and [o[0, 0].item() for o in out] == [float(r) for r in range(size)]
     assert calls == ([] if size == 0 or not dist.is_distributed() else ["all_gather_single"])
+    fresh = get_group(range(size), timeout=31) if size else None  # no size history yet
     with collective_calls() as calls:
-        dist.all_gather(t)
+        dist.all_gather(t, group=fresh)
     if dist.is_distributed():  # without the promise: the shapes go too
         assert calls == ["all_gather_single", "all_gather_single"], calls
     big = torch.full((70_000,), rank, dtype=torch.int32)  # the broadcast path
@@ -331,7 +332,7 @@ def test_same_shape_skips_the_shape_round():
     if dist.is_distributed():
         assert calls == ["all_to_all_single"], calls
     with collective_calls() as calls:
-        dist.all_to_all([torch.tensor([rank * 10 + d]) for d in range(size)])
+        dist.all_to_all([torch.tensor([rank * 10 + d]) for d in range(size)], group=fresh)
     if dist.is_distributed():  # without the promise: the shapes go too
         assert calls == ["all_to_all_single", "all_to_all_single"], calls
     if size > 1:
@@ -397,22 +398,26 @@ def test_uneven_shapes_travel_beside_the_data_after_the_first_call():
         for s, t in enumerate(out):
             assert t.shape == (s + rank + 1 + extra, 2) and bool((t == s * 10 + rank).all())
 
-    for check, name in ((check_gather, "all_gather_single"), (check_a2a, "all_to_all_single")):
+    # all_gather's header round is asynchronous ("~"); all_to_all's is not
+    for check, name, header in (
+        (check_gather, "all_gather_single", "all_gather_single~"),
+        (check_a2a, "all_to_all_single", "all_to_all_single"),
+    ):
         # 1st call: nothing to predict from: the shapes, then the data (two rounds)
         with collective_calls(mark_async=True) as first:
             check(0)
-        assert first == [f"{name}~", name], first
-        # same sizes again: shapes and data together (one round)
+        assert first == [header, name], first
+        # same sizes again: one collective, each header in front of its data
         with collective_calls(mark_async=True) as again:
             check(0)
-        assert again == [f"{name}~", f"{name}~"], again
-        # smaller: still one round (padded); larger: the rest follows in a second round
+        assert again == [header], again
+        # smaller: still one collective (padded); larger: the rest follows in a second one
         with collective_calls(mark_async=True) as smaller:
             check(-1 if check is check_a2a else 0)
-        assert smaller == [f"{name}~", f"{name}~"], smaller
+        assert smaller == [header], smaller
         with collective_calls(mark_async=True) as larger:
             check(5)
-        assert larger == [f"{name}~", f"{name}~", name], larger
+        assert larger == [header, name], larger
 
 
 @ranks(2, 3)

@@ -114,28 +114,47 @@ def all_gather(
     caps = capacities(past, size)
     dev = mine.device
     header = torch.tensor([mine.numel(), *row], dtype=torch.int64, device=dev)
-    rows_out = torch.empty(size * header.numel(), dtype=torch.int64, device=dev)
-    works = [all_gather_single(rows_out, header, group=comm.pg, async_op=True)]
+    head = header.numel() * header.element_size()
     widest = max(caps)
     firsts: list[Tensor]
+    works: list[Any]
+
+    def framed(cap: int) -> Tensor:
+        """This rank's header, then its first ``cap`` bytes (zero-padded)."""
+        out = torch.empty(head + cap, dtype=torch.uint8, device=dev)
+        out[:head] = header.view(torch.uint8)
+        n = min(mine.numel(), cap)
+        out[head : head + n] = mine[:n]
+        out[head + n :].zero_()
+        return out
+
     if widest and dev.type == "cpu" and widest >= BROADCAST_BYTES:
-        firsts = [
-            _fit(mine, caps[r]) if r == rank else torch.empty(caps[r], dtype=torch.uint8)
+        # each rank's header rides in front of its bytes, in its own broadcast
+        frames = [
+            framed(caps[r]) if r == rank else torch.empty(head + caps[r], dtype=torch.uint8)
             for r in range(size)
         ]
-        works += [
-            td.broadcast(firsts[r], comm.global_rank(r), group=comm.pg, async_op=True)
+        works = [
+            td.broadcast(frames[r], comm.global_rank(r), group=comm.pg, async_op=True)
             for r in range(size)
-            if caps[r]
         ]
-    elif widest:
-        gathered = torch.empty(size * widest, dtype=torch.uint8, device=dev)
-        works.append(all_gather_single(gathered, _fit(mine, widest), group=comm.pg, async_op=True))
-        firsts = [gathered[r * widest : (r + 1) * widest] for r in range(size)]
-    else:  # no history: the sizes first, then the data
+        rows_out = torch.empty(size * header.numel(), dtype=torch.int64, device=dev)
+        firsts = [f[head:] for f in frames]
+    elif widest:  # one padded all_gather of header + bytes
+        gathered = torch.empty(size * (head + widest), dtype=torch.uint8, device=dev)
+        works = [all_gather_single(gathered, framed(widest), group=comm.pg, async_op=True)]
+        frames = list(gathered.split(head + widest))
+        rows_out = torch.empty(size * header.numel(), dtype=torch.int64, device=dev)
+        firsts = [f[head:] for f in frames]
+    else:  # no history (or no steady size): the sizes first, then the data
+        frames = []
+        rows_out = torch.empty(size * header.numel(), dtype=torch.int64, device=dev)
+        works = [all_gather_single(rows_out, header, group=comm.pg, async_op=True)]
         firsts = [mine[:0]] * size
 
     def finish() -> tuple[list[Tensor], list[list[int]]]:
+        if frames:
+            rows_out.copy_(torch.cat([f[:head].view(torch.int64) for f in frames]))
         flat = rows_out.tolist()
         n = header.numel()
         rows = [flat[r * n : (r + 1) * n] for r in range(size)]
@@ -189,19 +208,32 @@ def all_to_all(
     headers = torch.tensor(
         [[n, int(overflow), *row] for n, row in zip(sent, rows)], dtype=torch.int64, device=dev
     )
-    incoming = torch.empty_like(headers)
-    works = [td.all_to_all_single(incoming, headers, group=comm.pg, async_op=True)]
-    first = torch.empty(sum(recv_caps), dtype=torch.uint8, device=dev)
-    if sum(send_caps) or sum(recv_caps):
-        send = torch.cat([_fit(c, cap) for c, cap in zip(chunks, send_caps)])
-        works.append(
-            td.all_to_all_single(first, send, recv_caps, send_caps, group=comm.pg, async_op=True)
-        )
-    for w in works:
-        w.wait()
+    if not past:  # the group's first call of this kind: the headers alone, then the data
+        incoming = torch.empty_like(headers)
+        td.all_to_all_single(incoming, headers, group=comm.pg)
+        first = headers.new_empty(0).view(torch.uint8)
+        firsts = [first] * size
+    else:
+        # One collective: each peer's header rides in front of its data (fixed size, so
+        # every segment stays aligned), and every rank of the group takes part even when
+        # all its own capacities are 0.
+        head = headers.shape[1] * headers.element_size()
+        out_splits = [head + cap for cap in recv_caps]
+        in_splits = [head + cap for cap in send_caps]
+        send = torch.empty(sum(in_splits), dtype=torch.uint8, device=dev)
+        for d, segment in enumerate(send.split(in_splits)):
+            segment[:head] = headers[d].view(torch.uint8)
+            n = min(sent[d], send_caps[d])
+            segment[head : head + n] = chunks[d][:n]
+            if n < send_caps[d]:
+                segment[head + n :].zero_()
+        first = torch.empty(sum(out_splits), dtype=torch.uint8, device=dev)
+        td.all_to_all_single(first, send, out_splits, in_splits, group=comm.pg)
+        segments = first.split(out_splits)
+        incoming = torch.stack([seg[:head].view(torch.int64) for seg in segments])
+        firsts = [seg[head:] for seg in segments]
     got = incoming.tolist()
     received = [row[0] for row in got]
-    firsts = list(first.split(recv_caps))
     rests: list[Tensor] = [first[:0]] * size
     if any(row[1] for row in got):  # some rank sent more than its capacity somewhere
         out_rest = [max(0, n - cap) for n, cap in zip(received, recv_caps)]
