@@ -5,6 +5,9 @@ Each one is here, with the reason, so a torch upgrade has one file to check.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
@@ -74,6 +77,33 @@ if AVAILABLE:
 
 #: Whether torch.compile is tracing the caller (torch >= 2.3 has it public).
 is_compiling: Callable[[], bool] = torch.compiler.is_compiling
+
+
+def after_import(name: str, callback: Callable[[], None]) -> None:
+    """Run ``callback`` once module ``name`` is imported: now if it is, else right after
+    its import finishes (a one-shot import hook; ``name``'s parent must be imported)."""
+    if name in sys.modules:
+        callback()
+        return
+
+    class _Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return spec
+            loader, run = spec.loader, spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                run(module)
+                callback()
+
+            loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, _Hook())
 
 
 def disable(fn: F, reason: str) -> F:

@@ -124,6 +124,22 @@ def test_import_of_dist_does_not_import_torch():
     assert run(["-c", code]).stdout.split() == ["hi", "False"]
 
 
+def test_collectives_do_not_import_the_compiler_until_torch_compile_does():
+    # torch._dynamo costs 70 to 170 MB and about a second to import: only code that
+    # compiles should pay for it, and distkit's graph breaks must still be ready then
+    code = (
+        "import sys, torch, distkit, distkit.dist as dist\n"
+        "def step():\n"
+        "    dist.all_reduce(torch.ones(1), op='max'); dist.all_gather_object({'a': 1})\n"
+        "    return 'torch._dynamo' in sys.modules\n"
+        "print(step(), distkit.launch(step, nprocs=2, timeout=120))\n"
+        "import torch._dynamo\n"
+        "from distkit.dist import _comm\n"
+        "print(sorted(_comm._EAGER) == sorted(_comm._EAGER_METHODS))\n"
+    )
+    assert run(["-c", code]).stdout.split() == ["False", "[False,", "False]", "True"]
+
+
 # -- the command line ------------------------------------------------------------------------
 
 

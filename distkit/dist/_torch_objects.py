@@ -181,7 +181,8 @@ def _share(ch: _Channel, sizes: dict[int, int], mine: Optional[Tensor]) -> dict[
             buf = bufs[r] = torch.empty(n, dtype=torch.uint8, device=ch.device)
         works.append(td.broadcast(buf, ch.src(r), group=ch.pg, async_op=True))
     for w in works:
-        w.wait()
+        if w is not None:  # async works (typed Optional since torch 2.14)
+            w.wait()
     return bufs
 
 

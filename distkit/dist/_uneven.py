@@ -173,7 +173,8 @@ def all_gather(
                     for r, b in bufs.items()
                 ]
                 for w in waits:
-                    w.wait()
+                    if w is not None:  # async works (typed Optional since torch 2.14)
+                        w.wait()
                 rests = bufs
             else:
                 send = _fit(mine[caps[rank] :], longest)

@@ -17,7 +17,7 @@ import atexit
 import weakref
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch.distributed as td
 from torch.distributed.constants import default_pg_timeout
@@ -155,7 +155,9 @@ def get_group(
             # Object collectives want a CPU channel; build it now, while every rank is
             # here anyway, rather than later inside a collective that only members call.
             _cpu_twins[pg] = get_group(key_ranks, "gloo", timeout=timeout)
-    return pg
+    # on a rank outside ``ranks`` this is torch's non-member marker, which every
+    # collective refuses with a clear ValueError; typed as what members get
+    return cast(Optional[ProcessGroup], pg)
 
 
 def get_cpu_group(group: Any = None) -> Optional[ProcessGroup]:
