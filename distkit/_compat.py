@@ -175,6 +175,9 @@ def destroy(groups: Optional[list[Any]] = None) -> None:
                 held.append(pg._get_backend(torch.device(device)))
             except Exception:  # no backend for that device
                 pass
+    # the loop variable would otherwise hold the last group until this frame goes, after
+    # the backends: its destructor would then join gloo's threads with the GIL held
+    pg = None
     if groups is None:
         targets.clear()
         td.destroy_process_group()

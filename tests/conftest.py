@@ -23,6 +23,22 @@ collect_ignore_glob = ["typing/*"]
 WORLDS = (0, 1, 2, 3, 4)
 
 
+def _torch_version() -> tuple[int, int]:
+    from importlib.metadata import version
+
+    major, minor = version("torch").split(".")[:2]
+    return int(major), int(minor)
+
+
+#: distkit's collectives trace under torch.compile from torch 2.13 (tested on 2.13 and
+#: 2.14); older dynamo cannot trace distkit's Python and graph-breaks or, with
+#: fullgraph=True, fails. The README says so.
+modern_compile = pytest.mark.skipif(
+    _torch_version() < (2, 13),
+    reason="distkit traces under torch.compile from torch 2.13 on (see the README)",
+)
+
+
 def world() -> tuple[int, int]:
     """``(rank, world size)`` of the world a check runs in."""
     return dist.get_rank(), dist.get_world_size()

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import in_fresh_world, world
+from conftest import in_fresh_world, modern_compile, world
 
 import distkit.dist as dist
 from distkit.testing import ranks
+
+pytestmark = modern_compile
 
 COMPILE_TIMEOUT = 600
 

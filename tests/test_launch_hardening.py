@@ -162,7 +162,7 @@ def children(pid: int) -> list[int]:
         return []
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.02, 0.1, 0.5])
+@pytest.mark.parametrize("delay", [0.0, 0.05])
 def test_a_sigkilled_cli_launcher_leaves_no_rank(delay, tmp_path):
     """Killed at once after it started its first rank: before any rank's interpreter ran."""
     mark = uuid.uuid4().hex
@@ -182,7 +182,7 @@ distkit.launch(time.sleep, 3, args=(60,), start_method={method!r}, timeout=None)
 
 
 @pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
-@pytest.mark.parametrize("delay", [0.0, 0.1])
+@pytest.mark.parametrize("delay", [0.05])
 def test_a_sigkilled_launch_call_leaves_no_rank(method, delay, tmp_path):
     """A fork server (started first) may finish importing torch before it notices."""
     mark = uuid.uuid4().hex
@@ -228,8 +228,11 @@ def test_launch_call_stops_its_ranks_within_seconds_on_a_signal(sig, tmp_path):
     no_survivors(mark, tmp_path)
 
 
-@pytest.mark.parametrize("whole_group", [False, True], ids=["launcher", "terminal"])
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    ("sig", "whole_group"),
+    [(signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, False)],
+    ids=["SIGINT-launcher", "SIGINT-terminal", "SIGTERM-launcher"],
+)
 def test_cli_interrupted_says_so_and_stops_the_ranks(sig, whole_group, tmp_path):
     """``terminal``: the signal reaches every process, as Ctrl-C at a terminal does."""
     mark = uuid.uuid4().hex

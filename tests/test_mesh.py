@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import in_fresh_world, world
+from conftest import in_fresh_world, modern_compile, world
 
 import distkit.dist as dist
 
@@ -85,7 +85,11 @@ def _dtensor_checks():
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+
+    try:
+        from torch.distributed.tensor import Shard, distribute_tensor
+    except ImportError:  # torch < 2.5: the private home
+        from torch.distributed._tensor import Shard, distribute_tensor
 
     rank, size = world()
     mesh = init_device_mesh("cpu", (size,))
@@ -161,5 +165,6 @@ def test_dtensors_are_refused_by_tensor_collectives_and_travel_as_shards_in_obje
     in_fresh_world(_dtensor_checks, size, timeout=300)
 
 
+@modern_compile
 def test_mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph():
     in_fresh_world(_mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph, 4, timeout=600)
