@@ -111,7 +111,7 @@ def disable(fn: F, reason: str) -> F:
     graph break, whose reason (torch >= 2.8 shows it in ``torch._dynamo.explain``) says
     why."""
     try:
-        return torch._dynamo.disable(fn, reason=reason)
+        return torch._dynamo.disable(fn, reason=reason)  # type: ignore[call-arg, unused-ignore]
     except TypeError:  # torch < 2.8: no reason
         return torch._dynamo.disable(fn)
 

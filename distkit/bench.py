@@ -306,6 +306,8 @@ def _compile_cases(rank: int, size: int, quick: bool) -> list[tuple]:
     """
     import torch.distributed._functional_collectives as fc
 
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
+        return []  # distkit traces under torch.compile from torch 2.13 on
     mm = _mmengine()
     world = td.group.WORLD
     assert world is not None

@@ -422,7 +422,7 @@ def _build_scalar(dtype: str, data: bytes) -> Any:
     NumPy's own scalar constructor, given a plain dtype and exactly its bytes."""
     if not _SCALAR:
         try:
-            from numpy._core.multiarray import scalar
+            from numpy._core.multiarray import scalar  # type: ignore[attr-defined, unused-ignore]
         except ImportError:  # NumPy 1.x
             from numpy.core.multiarray import scalar  # type: ignore[no-redef]
         _SCALAR.append(scalar)

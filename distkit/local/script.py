@@ -293,7 +293,25 @@ class _Launch:
     def failures(self) -> list[_Rank]:
         """The ranks that failed on their own (before being stopped), in the order seen."""
         failed = [r for r in self.ranks if (r.failed_at or float("inf")) < self.stopped_at]
-        return sorted(failed, key=lambda r: (r.failed_at, r.rank))
+
+        def lost_a_peer(r: _Rank) -> bool:
+            # an error that says another rank went away is that rank's doing: a rank that
+            # exits (even without a traceback) closes its sockets before the launcher
+            # sees it gone, so its peers' errors can arrive first
+            last = ((r.report() or {}).get("traceback") or "").rstrip().splitlines()[-1:]
+            return any(s in line for line in last for s in _PEER_LOST)
+
+        several = len(failed) > 1
+        return sorted(failed, key=lambda r: (several and lost_a_peer(r), r.failed_at, r.rank))
+
+
+#: What a rank's last error line says when another rank went away (gloo, NCCL, the store)
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+)
 
 
 def run_script(
