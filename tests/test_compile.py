@@ -180,3 +180,30 @@ def test_grad_collectives_trace_forward_and_backward():
     loss.backward()
     torch.testing.assert_close(x.grad, x_eager.grad)
     torch._dynamo.reset()
+
+
+def _inductor_step(x):
+    loss = (x * x).sum()
+    mean = dist.all_reduce(loss.detach().clone(), op="mean")
+    gathered = dist.all_gather(x + 1, same_shape=True)
+    dist.all_reduce(x)  # in place, on the caller's tensor
+    return mean, torch.stack(gathered), x
+
+
+@pytest.mark.slow
+@ranks(2, timeout=COMPILE_TIMEOUT)
+def test_a_step_compiles_with_inductor_and_matches_eager():
+    """The same traced collectives through inductor (needs a C compiler, as inductor does)."""
+    import shutil
+
+    import torch._dynamo
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("inductor needs a C compiler and this machine has none")
+    rank, _ = world()
+    base = torch.arange(4.0) + rank
+    expected = _inductor_step(base.clone())
+    torch._dynamo.reset()
+    got = torch.compile(_inductor_step, backend="inductor", fullgraph=True)(base.clone())
+    _same(list(got), list(expected))
+    torch._dynamo.reset()
