@@ -9,6 +9,7 @@ Every process a test starts carries a unique ``DISTKIT_TEST_MARK`` in its enviro
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 import signal
@@ -20,6 +21,8 @@ import uuid
 import pytest
 from conftest import ROOT
 from helpers_subprocess import MARK, marked, script_env, wait_for
+
+from distkit.local import script
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -116,6 +119,43 @@ def test_a_rank_that_raised_is_first_even_if_it_exits_last(tmp_path):
     assert first_failure(err).startswith("distkit launch: rank 1 of 2 failed first ("), err
     assert "rank 0 of 2 failed too" in err
     no_survivors(mark, tmp_path)
+
+
+class _Exited:
+    """Stands in for a rank's Popen once it exited."""
+
+    def __init__(self, returncode: int) -> None:
+        self.returncode = returncode
+
+
+def _failed_rank(rank: int, at: float, last_line: str) -> script._Rank:
+    r = script._Rank(rank, _Exited(1), -1, -2)  # type: ignore[arg-type]
+    report = {"traceback": f"Traceback (most recent call last):\n  ...\n{last_line}\n"}
+    r.data["error"] += json.dumps(report).encode()
+    r.reported_at = r.exited_at = at
+    return r
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:1",
+        "RuntimeError: Connection reset by peer",
+        "BrokenPipeError: [Errno 32] Broken pipe",
+        "torch.distributed.DistStoreError: the remote process exited",
+    ],
+)
+def test_a_rank_that_only_lost_a_peer_is_not_named_first(lost):
+    """Its traceback may arrive before the peer that went away is seen to fail."""
+    launch = script._Launch(3, None)
+    peer = _failed_rank(0, 1.0, lost)  # reported first
+    culprit = _failed_rank(2, 2.0, "ValueError: rank two is unhappy")
+    launch.ranks = [peer, culprit]
+    assert [r.rank for r in launch.failures()] == [2, 0]
+    launch.ranks = [peer]  # alone, it is the one that failed
+    assert [r.rank for r in launch.failures()] == [0]
+    launch.ranks = [_failed_rank(1, 0.5, "ValueError: first"), culprit]  # time decides
+    assert [r.rank for r in launch.failures()] == [1, 2]
 
 
 # -- the others stop soon after a failure, whichever rank fails -------------------------------
