@@ -38,7 +38,7 @@ LAYERS = [
     | {"distkit.dist._uneven", "distkit.dist._gloo", "distkit.dist._stream"}
     | {"distkit.dist._traced"},
     # 3: the decision point
-    {"distkit.dist._comm", "distkit.dist._shortcut"},
+    {"distkit.dist._comm", "distkit.dist._shortcut", "distkit.dist._lane"},
     # 4: the public API
     {
         "distkit.dist",

@@ -46,7 +46,12 @@ def _test(name: str, condition: Any, bind: Callable[[Any], str]) -> str:
     return f"{name} is {bind(condition)}"
 
 
-def shortcut(returns: str, world: Optional[str] = None, **when: Any) -> Callable[[F], F]:
+def shortcut(
+    returns: str,
+    world: Optional[str] = None,
+    lane: Optional[tuple[str, Any, Callable[[Any], Any]]] = None,
+    **when: Any,
+) -> Callable[[F], F]:
     """Compile a shortcut in front of the checked function it decorates.
 
     Args:
@@ -54,6 +59,11 @@ def shortcut(returns: str, world: Optional[str] = None, **when: Any) -> Callable
             there is no process group (``"data"``, ``"[data]"``, ``"0"``).
         world: Expression to return when every condition holds and a process group
             ``pg`` exists (``"pg.rank()"``); ``None`` lets the checked path run then.
+        lane: ``(name, condition, fn)``: when every condition holds, a process group
+            exists and parameter ``name`` meets ``condition`` too, ``fn(first
+            parameter)`` runs, and what it returns is the result unless it is ``None``
+            (then the checked path runs). For a many-rank call common enough to skip
+            the checked path's layers (see :mod:`distkit.dist._lane`).
         **when: Parameter name to condition: a value compared by identity (``None``,
             ``False``, ``0``, ``"sum"``), a type (the argument's exact class), a
             frozenset of types, a predicate, or a tuple of conditions one of which must
@@ -86,7 +96,18 @@ def shortcut(returns: str, world: Optional[str] = None, **when: Any) -> Callable
             call.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
         tests = [_test(name, cond, bind) for name, cond in when.items()] or ["True"]
         body = [f"        if {' and '.join(tests)}:"]
-        if world is None:
+        if lane is not None:
+            name, condition, fn = lane
+            first = next(iter(sig.parameters))
+            body += [
+                "            if _world._default_pg is None:",
+                f"                return {returns}",
+                f"            if {_test(name, condition, bind)}:",
+                f"                done = {bind(fn)}({first})",
+                "                if done is not None:",
+                "                    return done",
+            ]
+        elif world is None:
             body[0] = body[0][:-1] + " and _world._default_pg is None:"
             body.append(f"            return {returns}")
         else:

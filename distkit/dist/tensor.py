@@ -21,7 +21,7 @@ from typing import Literal, Optional, Union, overload
 
 from torch import Tensor
 
-from distkit.dist import _args, _autograd, _ops
+from distkit.dist import _args, _autograd, _lane, _ops
 from distkit.dist._comm import Comm, GroupLike, resolve
 from distkit.dist._ops import OpLike
 from distkit.dist._shortcut import shortcut
@@ -55,7 +55,15 @@ def all_reduce(
     *,
     grad: bool = ...,
 ) -> Union[Tensor, Handle[Tensor]]: ...
-@shortcut("data", data=Tensor, op=("sum", "mean"), group=None, async_op=False, grad=False)
+@shortcut(
+    "data",
+    lane=("op", "sum", _lane.all_reduce_sum),  # the commonest many-rank call, in few steps
+    data=Tensor,
+    op=("sum", "mean"),
+    group=None,
+    async_op=False,
+    grad=False,
+)
 def all_reduce(
     data: Tensor,
     op: OpLike = "sum",
