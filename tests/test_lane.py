@@ -35,10 +35,6 @@ def test_the_plain_call_takes_the_lane():
     dist.all_reduce(torch.ones(1), op="max")  # the group's facts, learned once
     assert _summed(lambda r: torch.arange(6.0).view(2, 3) * (r + 1)) == []
     assert _summed(lambda r: torch.tensor([r, 7], dtype=torch.int64), op="sum") == []
-    leaf = torch.ones(3, requires_grad=True)  # in place, as torch's own call does
-    with collective_calls() as calls:
-        assert dist.all_reduce(leaf) is leaf
-    assert calls == [] and leaf.tolist() == [float(world()[1])] * 3
 
 
 @ranks(2, 3)
@@ -48,6 +44,10 @@ def test_other_calls_take_the_checked_path():
     assert _summed(lambda r: torch.arange(6.0).view(2, 3).t() + r) == checked  # strided
     assert _summed(lambda r: torch.tensor([r + 1.0]), op=td.ReduceOp.SUM) == checked
     assert _summed(lambda r: torch.tensor([r + 1.0]), group=list(range(world()[1]))) == checked
+    # a lazily negated view (the imaginary part of a conjugate): torch's own call would
+    # reduce the raw memory and leave each rank its own value
+    negated = _summed(lambda r: torch.tensor([complex(1, r + 1)]).conj().imag)
+    assert negated == checked
     # dtypes gloo does not sum natively are converted by the checked path
     assert _summed(lambda r: torch.tensor([r], dtype=torch.int8)) != []
     dist.set_debug(True)
@@ -55,6 +55,21 @@ def test_other_calls_take_the_checked_path():
         assert "all_reduce" in _summed(lambda r: torch.tensor([r + 1.0]))
     finally:
         dist.set_debug(False)
+
+
+@ranks(2)
+def test_a_tensor_that_requires_grad_is_reduced_outside_autograd():
+    import warnings
+
+    dist.all_reduce(torch.ones(1), op="max")
+    w = torch.ones(3, requires_grad=True)
+    with collective_calls() as calls:
+        assert dist.all_reduce(w) is w
+    assert calls == ["all_reduce"] and w.tolist() == [2.0] * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns of an op with no autograd kernel
+        (w * 2).sum().backward()
+    assert w.grad.tolist() == [2.0] * 3
 
 
 class _Counting(TorchFunctionMode):

@@ -38,6 +38,7 @@ _DTYPES = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
 if torch.distributed.is_available():
     _SUM = torch.distributed.ReduceOp.SUM
     _Options = torch.distributed.AllreduceOptions
+    _SYNC = hasattr(_Options(), "asyncOp")
 _DEBUG_DEFAULT = _settings.default("debug")
 _NAME = "all_reduce"
 _has_torch_function = torch._C._has_torch_function_unary
@@ -54,6 +55,8 @@ def all_reduce_sum(data: Any) -> Optional[Tensor]:
         or not data.is_cpu
         or data.dtype not in _DTYPES
         or not data.is_contiguous()
+        or data.is_neg()  # a lazily negated view: torch's call would reduce the raw memory
+        or data.requires_grad  # the checked path detaches: autograd never sees the call
         or _has_torch_function(data)
         or getattr(_watch._local, "depth", False)
         or _settings.values.get("debug", _DEBUG_DEFAULT)
@@ -74,6 +77,8 @@ def all_reduce_sum(data: Any) -> Optional[Tensor]:
     try:
         opts = _Options()
         opts.reduceOp = _SUM  # type: ignore[assignment]  # torch converts it, as in its own call
+        if _SYNC:
+            opts.asyncOp = False  # as torch's own blocking call says (torch 2.7 and newer)
         group.allreduce([data], opts).wait()
     except Exception as exc:
         seq = facts.seq
