@@ -68,6 +68,14 @@ def small_dicts(n: int, rank: int) -> list[dict]:
     return [{"id": i * 7 + rank, "score": i / 3.0, "label": "cat"} for i in range(n)]
 
 
+def detections(n: int, rank: int) -> list[dict]:
+    """Detection results as COCO evaluation gathers them: a box list in every dict, so
+    (unlike :func:`small_dicts`) every dict is tracked by Python's garbage collector."""
+    return [
+        {"image_id": i * 7 + rank, "bbox": [i, 2.0, 30.5, 40.0], "score": i / 3.0} for i in range(n)
+    ]
+
+
 # -- timing ------------------------------------------------------------------------------
 
 
@@ -122,6 +130,7 @@ def _object_cases(rank: int, size: int, quick: bool) -> list[tuple]:
         (f"{big // MiB} MiB of tensors in dicts", tensor_dicts(big, rank), 2.0),
         (f"{mid // MiB} MiB of tensors in dicts", tensor_dicts(mid, rank), 1.5),
         (f"{n_small // 1000}k small dicts", small_dicts(n_small, rank), 1.1),
+        (f"{n_small // 1000}k detections (dicts with a box list)", detections(n_small, rank), 1.1),
         ("a small dict", {"loss": 0.25, "step": 10, "rank": rank}, 1.3),
     ]
     rows = []

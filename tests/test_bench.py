@@ -25,7 +25,7 @@ def test_benchmark_quick_run_reports_every_case(tmp_path):
     data = json.loads(out.read_text())
     names = [row["case"]["name"] for row in data["rows"]]
     for op in ("all_gather_object", "broadcast_object_list", "gather_object"):
-        assert sum(n.startswith(op) for n in names) == 4, names
+        assert sum(n.startswith(op) for n in names) == 5, names  # 5 payloads each
     assert any(n.startswith("collect_results") for n in names)
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         assert any(n.startswith(f"{op}: 1 MiB") for n in names)

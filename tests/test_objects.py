@@ -288,3 +288,52 @@ def test_every_plain_tensor_can_be_sent():
         assert got["meta"].is_meta
     alone = torch.ones(2).to_mkldnn()
     assert dist.all_gather_object(alone)[rank] is alone
+
+
+def _collector_state(tag):
+    """Rebuilt on the receiver: records whether the garbage collector runs meanwhile."""
+    import gc
+
+    return (tag, gc.isenabled())
+
+
+class _Probe:
+    def __init__(self, tag):
+        self.tag = tag
+
+    def __reduce__(self):
+        return (_collector_state, (self.tag,))
+
+
+def _gc_failing():
+    raise ValueError("a reduce function that fails on the receiver")
+
+
+class _Failing:
+    def __reduce__(self):
+        return (_gc_failing, ())
+
+
+@ranks(2, 3)
+def test_unpickling_pauses_the_garbage_collector_and_restores_it():
+    import gc
+
+    rank, size = world()
+    got = dist.all_gather_object([_Probe(rank), {"box": [rank]}])
+    # other ranks' objects were rebuilt with the collector paused; this rank's is its own
+    assert [g[0] for g in got if isinstance(g[0], tuple)] == [
+        (r, False) for r in range(size) if r != rank
+    ]
+    assert gc.isenabled()
+    if rank == 0:  # the source keeps its own object; receivers rebuild it, and fail
+        dist.broadcast_object(_Failing(), src=0)
+    else:
+        with pytest.raises(Exception, match="fails on the receiver"):
+            dist.broadcast_object(None, src=0)
+    assert gc.isenabled(), "a failed unpickling restores the collector too"
+    gc.disable()
+    try:  # a collector the program disabled stays disabled
+        dist.all_gather_object(_Probe(rank))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
