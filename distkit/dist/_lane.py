@@ -36,7 +36,7 @@ from distkit.dist._comm import _FACTS, Comm
 #: conversions in the checked path)
 _DTYPES = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
 if torch.distributed.is_available():
-    _SUM = torch.distributed.ReduceOp.SUM
+    _SUM: Any = torch.distributed.ReduceOp.SUM  # a RedOpType: the options convert it
     _Options = torch.distributed.AllreduceOptions
     _SYNC = hasattr(_Options(), "asyncOp")
 _DEBUG_DEFAULT = _settings.default("debug")
@@ -51,6 +51,7 @@ def all_reduce_sum(data: Any) -> Optional[Tensor]:
     pg: Any = world._default_pg
     if (
         pg is None
+        or is_compiling()  # first: while tracing, nothing below may touch the tensor
         or data.__class__ is not Tensor
         or not data.is_cpu
         or data.dtype not in _DTYPES
@@ -60,7 +61,6 @@ def all_reduce_sum(data: Any) -> Optional[Tensor]:
         or _has_torch_function(data)
         or getattr(_watch._local, "depth", False)
         or _settings.values.get("debug", _DEBUG_DEFAULT)
-        or is_compiling()
         or pg in getattr(world, "pg_coalesce_state", ())
     ):
         return None
@@ -76,7 +76,7 @@ def all_reduce_sum(data: Any) -> Optional[Tensor]:
     facts.seq += 1
     try:
         opts = _Options()
-        opts.reduceOp = _SUM  # type: ignore[assignment]  # torch converts it, as in its own call
+        opts.reduceOp = _SUM
         if _SYNC:
             opts.asyncOp = False  # as torch's own blocking call says (torch 2.7 and newer)
         group.allreduce([data], opts).wait()
