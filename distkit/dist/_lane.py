@@ -75,7 +75,7 @@ def all_reduce_sum(data: Any) -> Optional[Tensor]:
     facts.thread = me
     facts.seq += 1
     try:
-        opts = _Options()
+        opts: Any = _Options()  # Any: torch 2.4's stubs have no asyncOp
         opts.reduceOp = _SUM
         if _SYNC:
             opts.asyncOp = False  # as torch's own blocking call says (torch 2.7 and newer)
