@@ -67,6 +67,16 @@ CASES = [
     case("int16 (gloo has no int16)", "all_reduce", None, torch.ones(2, dtype=torch.int16)),
     case("uint64 max", "all_reduce", None, torch.ones(2, dtype=torch.uint64), "max"),
     case("float8 mean", "all_reduce", None, torch.ones(2).to(torch.float8_e5m2), "mean"),
+    # tensors without one dense block of memory (a single process's shortcut only tests
+    # the class, so these go through calls it does not take: see _args.dense)
+    case("sparse data", "all_reduce", TypeError, torch.eye(2).to_sparse(), "max"),
+    case("meta data", "all_reduce", TypeError, torch.ones(2, device="meta"), "min"),
+    sized(
+        "a sparse tensor in the list",
+        "all_to_all",
+        TypeError,
+        lambda n: (([_t()] * (n - 1) + [torch.eye(2).to_sparse()],), {}),
+    ),
     # all_gather, gather
     case("data is None", "all_gather", TypeError, None),
     case("data is a string", "all_gather", TypeError, "tensor"),

@@ -32,5 +32,9 @@ def test_benchmark_quick_run_reports_every_case(tmp_path):
     for row in data["rows"]:
         assert row["seconds"]["distkit"] > 0
         assert len(row["seconds"]) >= 2, "every case is measured against a peer"
-    assert {r["case"] for r in data["noop"]} >= {"get_rank()", "all_reduce(t)"}
+    assert any(n.startswith("serial floor of broadcast_object_list") for n in names)
+    noop = {r["case"]: r for r in data["noop"]}
+    assert set(noop) >= {"get_rank()", "all_reduce(t)", "all_gather_object(t)"}
+    for row in noop.values():  # both controls, each a real measurement
+        assert row["identity_ns"] > 0 and row["same_args_ns"] > 0, row
     assert "torch/distkit" in proc.stdout and "single process" in proc.stdout

@@ -57,6 +57,25 @@ def test_other_calls_take_the_checked_path():
         dist.set_debug(False)
 
 
+@ranks(2, 3)
+def test_tensors_without_dense_memory_step_aside_and_get_a_clear_error():
+    dist.all_reduce(torch.ones(1), op="max")
+    rank, size = world()
+    kinds = {
+        "sparse_coo": torch.eye(2).to_sparse(),
+        "sparse_csr": torch.eye(2).to_sparse_csr(),
+        "mkldnn": torch.ones(2).to_mkldnn(),
+        "meta": torch.ones(2, device="meta"),
+    }
+    for kind, t in kinds.items():
+        with pytest.raises(TypeError) as caught:
+            dist.all_reduce(t)
+        assert str(caught.value).startswith(f"all_reduce: data is a {kind} tensor;"), kind
+        assert f"(on rank {rank} of {size})" in str(caught.value)
+    # the ranks are still in step: nothing was sent
+    assert dist.all_reduce(torch.ones(1)).item() == size
+
+
 @ranks(2)
 def test_a_tensor_that_requires_grad_is_reduced_outside_autograd():
     import warnings

@@ -83,7 +83,37 @@ def tensor(value: Any, name: str, fn: str, comm: Comm) -> Tensor:
         fail(TypeError, fn, comm, f"{name} must be a torch.Tensor, got {show(value)}")
     if value.__class__ is not Tensor:
         not_dtensor(value, name, fn, comm)
+    dense(value, name, fn, comm)
     return value
+
+
+def dense(value: Tensor, name: str, fn: str, comm: Comm) -> None:
+    """Reject tensors whose memory is not one strided block of numbers: sparse, MKL-DNN,
+    quantized, nested and meta tensors (tensor collectives send a tensor's raw memory).
+
+    A single process's shortcut only tests the tensor's class (reading its layout would
+    double the cost of the call), so there such a tensor passes through unchanged; every
+    call that reaches a backend raises this instead of torch's own error from deep inside
+    the collective.
+    """
+    if value.layout is torch.strided:
+        if not (value.is_quantized or value.is_nested or value.is_meta):
+            return
+        kind = "quantized" if value.is_quantized else "nested" if value.is_nested else "meta"
+    else:
+        kind = str(value.layout).replace("torch.", "").lstrip("_")
+    fixes = {
+        "quantized": f"Send {name}.dequantize(), or its int_repr() and its scales",
+        "nested": f"Send its components ({name}.unbind()), or use an object collective",
+        "meta": "A meta tensor has no data to send: create it on a real device",
+    }
+    fail(
+        TypeError,
+        fn,
+        comm,
+        f"{name} is a {kind} tensor; tensor collectives send the memory of dense tensors",
+        fixes.get(kind, f"Send {name}.to_dense()"),
+    )
 
 
 def not_dtensor(value: Tensor, name: str, fn: str, comm: Comm) -> None:
@@ -169,6 +199,7 @@ def tensor_list(
             fail(TypeError, fn, comm, f"{name}[{i}] must be a torch.Tensor, got {show(t)}")
         if t.__class__ is not Tensor:
             not_dtensor(t, f"{name}[{i}]", fn, comm)
+        dense(t, f"{name}[{i}]", fn, comm)
     first = value[0]
     for i, t in enumerate(value):
         if t.dtype != first.dtype:

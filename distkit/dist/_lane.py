@@ -39,6 +39,7 @@ if torch.distributed.is_available():
     _SUM: Any = torch.distributed.ReduceOp.SUM  # a RedOpType: the options convert it
     _Options = torch.distributed.AllreduceOptions
     _SYNC = hasattr(_Options(), "asyncOp")
+_STRIDED = torch.strided
 _DEBUG_DEFAULT = _settings.default("debug")
 _NAME = "all_reduce"
 _has_torch_function = torch._C._has_torch_function_unary
@@ -55,6 +56,8 @@ def all_reduce_sum(data: Any) -> Optional[Tensor]:
         or data.__class__ is not Tensor
         or not data.is_cpu
         or data.dtype not in _DTYPES
+        or data.layout is not _STRIDED  # sparse, MKL-DNN: the checked path says what to do
+        or data.is_nested
         or not data.is_contiguous()
         or data.is_neg()  # a lazily negated view: torch's call would reduce the raw memory
         or data.requires_grad  # the checked path detaches: autograd never sees the call

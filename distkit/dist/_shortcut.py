@@ -12,7 +12,11 @@ otherwise the decorated function (the *checked path*: argument checks, then
 A guard only accepts trivially valid arguments (a test of identity can fail spuriously,
 and then the checked path runs, but never accept a bad value), so the shortcut and the
 checked path cannot disagree; ``tests/test_agreement.py`` runs every bad argument of
-every public function with and without a process group to hold that line.
+every public function with and without a process group to hold that line. One exception,
+chosen for speed: a tensor's class is all a guard tests, so a sparse, MKL-DNN, quantized,
+nested or meta tensor (class ``Tensor`` too) passes a single process's no-op unchanged,
+while every call with a process group raises the ``TypeError`` of
+:func:`distkit.dist._args.dense` (reading the layout would double the no-op's cost).
 
 Torch-free: :mod:`distkit.dist.world` uses it before torch is imported.
 """
