@@ -34,6 +34,10 @@ def _t() -> torch.Tensor:
     return torch.ones(2)
 
 
+def _i0() -> torch.Tensor:
+    return torch.tensor(0)
+
+
 def case(name: str, fn: str, error: type[Exception] | None, *args: Any, **kwargs: Any) -> Case:
     """A case whose arguments do not depend on the world."""
     return Case(name, fn, lambda rank, size: (args, kwargs), error)
@@ -71,6 +75,7 @@ CASES = [
     # the class, so these go through calls it does not take: see _args.dense)
     case("sparse data", "all_reduce", TypeError, torch.eye(2).to_sparse(), "max"),
     case("meta data", "all_reduce", TypeError, torch.ones(2, device="meta"), "min"),
+    case("sparse data", "reduce_scatter", TypeError, torch.eye(2).to_sparse()),
     sized(
         "a sparse tensor in the list",
         "all_to_all",
@@ -168,6 +173,9 @@ CASES = [
     case("dst is 9", "collect_results", ValueError, [1], 1, dst=9),
     case("sampler is a range", "collect_results", TypeError, [1], 1, sampler=range(1)),
     case("sampler and indices", "collect_results", ValueError, [1], 1, indices=[0], sampler=[0]),
+    case("a float index", "collect_results", TypeError, [1], 1, indices=[0.5]),
+    case("a bool index", "iter_results", TypeError, [1], 1, indices=[True]),
+    case("NumPy, tensor indices", "collect_results", None, [1, 2], 2, indices=[np.int64(1), _i0()]),
     case("results is a string", "iter_results", TypeError, "abc", 3),
     case("size is negative", "iter_results", TypeError, [1], -1),
     case("unknown order", "iter_results", ValueError, [1], 1, order="zigzag"),

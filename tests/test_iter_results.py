@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -147,6 +148,26 @@ def test_errors_are_raised_on_every_rank():
     with pytest.raises(ValueError, match="evaluated by no rank"):
         dist.iter_results([rank], size + 1, indices=[rank])
     assert dist.all_gather_object(rank) == list(range(max(size, 1)))
+
+
+@ranks(2, 3)
+def test_indices_on_some_ranks_only_is_an_error_for_both_collectors():
+    rank, size = world()
+    results = [f"r{rank}-{i}" for i in range(2)]
+    indices = {"indices": [2 * rank, 2 * rank + 1]} if rank == 0 else {}
+    disagree = "rank 1 and dst (rank 0) disagree: one passed indices"
+    with pytest.raises(ValueError, match=re.escape(disagree)):
+        with dist.iter_results(results, 2 * size, **indices) as stream:
+            list(stream)
+    if rank == 0:  # collect_results raises on dst, as for every check only dst can make
+        with pytest.raises(ValueError, match=re.escape(disagree)):
+            dist.collect_results(results, 2 * size, **indices)
+    else:
+        assert dist.collect_results(results, 2 * size, **indices) is None
+    other = 1 if rank == 0 else 0  # the first rank that did the opposite
+    with pytest.raises(ValueError, match=re.escape(f"rank {other} and rank {rank} disagree")):
+        dist.collect_results(results, 2 * size, dst=None, **indices)
+    assert dist.all_gather_object(rank) == list(range(size))
 
 
 class Point:  # a plain class: the safe serializer refuses it unless allowed

@@ -429,3 +429,26 @@ def test_all_to_all_single_infers_output_splits_beside_the_data():
         out = dist.all_to_all_single(data, input_split_sizes=splits)
         expected = torch.cat([torch.full((rank + s + 1, 2), s * 100 + rank) for s in range(size)])
         assert torch.equal(out, expected)
+
+
+@ranks(*WORLDS)
+def test_gather_leaves_the_callers_tensor_alone_on_dst():
+    # td.gather copies every input into the output list, dst's own too: had dst's slot
+    # been the caller's tensor, autograd would see an in-place write and an inference
+    # tensor would be refused
+    rank, size = world()
+    x = torch.tensor([1.0 + rank, 2.0], requires_grad=True)
+    y = x * 2
+    loss = (y * y).sum()  # saves y for backward
+    version = y._version
+    got = dist.gather(y, dst=0)
+    assert y._version == version
+    loss.backward()
+    assert x.grad.tolist() == [8.0 * (1 + rank), 16.0]
+    if rank == 0:
+        assert got[0] is y
+        assert [p.tolist() for p in got] == [[2.0 * (1 + r), 4.0] for r in range(size)]
+    with torch.inference_mode():
+        frozen = torch.full((2,), float(rank))
+    got = dist.gather(frozen, dst=0)
+    assert [p.tolist() for p in got] == ([[float(r)] * 2 for r in range(size)] if rank == 0 else [])

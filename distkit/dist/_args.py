@@ -96,12 +96,14 @@ def dense(value: Tensor, name: str, fn: str, comm: Comm) -> None:
     call that reaches a backend raises this instead of torch's own error from deep inside
     the collective.
     """
-    if value.layout is torch.strided:
-        if not (value.is_quantized or value.is_nested or value.is_meta):
-            return
-        kind = "quantized" if value.is_quantized else "nested" if value.is_nested else "meta"
-    else:
+    if value.is_nested:  # strided or jagged layout
+        kind = "nested"
+    elif value.layout is not torch.strided:
         kind = str(value.layout).replace("torch.", "").lstrip("_")
+    elif value.is_quantized or value.is_meta:
+        kind = "quantized" if value.is_quantized else "meta"
+    else:
+        return
     fixes = {
         "quantized": f"Send {name}.dequantize(), or its int_repr() and its scales",
         "nested": f"Send its components ({name}.unbind()), or use an object collective",

@@ -104,7 +104,9 @@ class Link:
         """The next control message from ``dst``: raise a FAILED one; else (kind, a)."""
         kind, a, _culprit, c = self.ints(dst, 4)
         if kind == FAILED:
-            _args.remote_failure(a, self.fn, self.comm, self.text(dst, c))
+            text = self.text(dst, c)  # dst's own message, which names the call already
+            text = text[len(self.fn) + 2 :] if text.startswith(f"{self.fn}: ") else text
+            _args.remote_failure(a, self.fn, self.comm, f"rank {dst} stopped the call: {text}")
         return kind, a
 
     def serve(

@@ -214,6 +214,10 @@ def _metas(
     return metas
 
 
+def _itself(t: Tensor) -> Tensor:
+    return t
+
+
 def _bytes(t: Tensor) -> Tensor:
     """The bytes of a contiguous tensor, as a 1-D uint8 view."""
     return t.reshape(-1).view(torch.uint8)
@@ -324,19 +328,29 @@ class TorchBackend(TorchObjects):
         buf, _ = _stage(comm, data)
         dev, rank, dst_global = buf.device, comm.rank, comm.global_rank(dst)
         even = all(s == shapes[0] for s in shapes)
+        # torch's gather, unlike its other collectives, does not send complex tensors as
+        # pairs of reals, and gloo refuses them ("Invalid scalar type")
+        real = torch.view_as_real if buf.is_complex() else _itself
         if rank != dst:
             if even:
-                work = td.gather(buf, None, dst=dst_global, group=comm.pg, async_op=async_op)
+                work = td.gather(real(buf), None, dst=dst_global, group=comm.pg, async_op=async_op)
             else:
                 work = td.isend(buf.reshape(-1), dst_global, group=comm.pg)
             return _complete(_works(work), lambda: [], async_op)
 
-        outs = [
-            buf if r == rank else torch.empty(shapes[r], dtype=buf.dtype, device=dev)
-            for r in range(comm.size)
-        ]
+        # dst's own slot is a buffer of its own: gathering into ``buf`` itself would write
+        # the caller's tensor (a version bump autograd refuses; inference tensors raise)
+        outs = [torch.empty(shapes[r], dtype=buf.dtype, device=dev) for r in range(comm.size)]
         if even:
-            works = _works(td.gather(buf, outs, dst=dst_global, group=comm.pg, async_op=async_op))
+            works = _works(
+                td.gather(
+                    real(buf),
+                    [real(o) for o in outs],
+                    dst=dst_global,
+                    group=comm.pg,
+                    async_op=async_op,
+                )
+            )
         else:
             works = [
                 td.irecv(outs[r].reshape(-1), comm.global_rank(r), group=comm.pg)

@@ -58,6 +58,13 @@ def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _aligned(row: list[int]) -> list[int]:
+    """``row`` padded with zeros to a whole number of :data:`ALIGN` bytes of int64s, so
+    the data behind a header stays aligned for every dtype (a 232-byte header put a
+    complex128 tensor at an offset torch cannot view)."""
+    return row + [0] * (-len(row) % (ALIGN // 8))
+
+
 def history(comm: Comm, kind: str) -> deque[list[int]]:
     """The sizes the last calls of ``kind`` on ``comm``'s group moved (per peer, bytes)."""
     return comm.history(kind, HISTORY)
@@ -155,10 +162,11 @@ def all_gather(
     bytes (exactly as many as it sent; this rank's entry is ``mine``) and header row.
     """
     size, rank = comm.size, comm.rank
+    width = len(row)
     past = history(comm, "all_gather")
     caps = capacities(past, size)
     dev = mine.device
-    header = torch.tensor([mine.numel(), *row], dtype=torch.int64, device=dev)
+    header = torch.tensor(_aligned([mine.numel(), *row]), dtype=torch.int64, device=dev)
     head = header.numel() * header.element_size()
     widest = max(caps)
     firsts: list[Tensor]
@@ -226,7 +234,7 @@ def all_gather(
             mine if r == rank else _join(firsts[r], rests.get(r, mine[:0]), sizes[r])
             for r in range(size)
         ]
-        return parts, [row[1:] for row in rows]
+        return parts, [got[1 : 1 + width] for got in rows]
 
     return works, finish
 
@@ -246,7 +254,8 @@ def all_to_all(
     send_caps, recv_caps = caps[:size], caps[size:]
     sent = [c.numel() for c in chunks]
     overflow = any(n > cap for n, cap in zip(sent, send_caps))
-    header_rows = [[n, int(overflow), *row] for n, row in zip(sent, rows)]
+    header_rows = [_aligned([n, int(overflow), *row]) for n, row in zip(sent, rows)]
+    width = len(rows[0]) if rows else 0
     if not past:  # the group's first call of this kind: the headers alone, then the data
         headers = torch.tensor(header_rows, dtype=torch.int64, device=dev)
         incoming = torch.empty_like(headers)
@@ -285,4 +294,4 @@ def all_to_all(
     parts = [
         chunks[rank] if s == rank else _join(firsts[s], rests[s], received[s]) for s in range(size)
     ]
-    return parts, [row[2:] for row in got]
+    return parts, [row[2 : 2 + width] for row in got]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from itertools import chain, zip_longest
 from types import TracebackType
@@ -107,6 +108,42 @@ def _sampler_indices(sampler: Any, results: Sequence, fn: str, comm: Comm) -> li
     return indices
 
 
+def _integers(indices: list[Any], fn: str, comm: Comm) -> list[int]:
+    """``indices`` as Python ints (NumPy and 0-dim tensor integers converted); anything
+    else, a float or a bool among them, is a ``TypeError`` here, before any round."""
+    if all(type(i) is int for i in indices):
+        return indices
+    out = []
+    for k, i in enumerate(indices):
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            out.append(operator.index(i))
+        except TypeError:
+            _args.fail(
+                TypeError,
+                fn,
+                comm,
+                f"indices[{k}] must be an integer dataset index, got {_args.show(i)}",
+            )
+    return out
+
+
+def _mixed(fn: str, comm: Comm, other: int, receiver: str) -> ValueError:
+    """The error of a rank that passed indices (or a sampler) where another did not."""
+    try:
+        _args.fail(
+            ValueError,
+            fn,
+            comm,
+            f"rank {other} and {receiver} disagree: one passed indices (or sampler), the "
+            "other did not",
+            "Pass indices (or sampler) on every rank or on none",
+        )
+    except ValueError as exc:
+        return exc
+
+
 def _check(
     fn: str,
     comm: Comm,
@@ -141,7 +178,7 @@ def _check(
                 f"indices has {len(indices)} entries but results has {len(results)}",
                 "Give one dataset index per result",
             )
-        return indices
+        return _integers(indices, fn, comm)
     if order not in ORDERS:
         _args.fail(
             ValueError,
@@ -267,6 +304,12 @@ def collect_results(
                     index_parts[r].extend(idx)
     if not receiver:
         return None
+    # every rank sends indices (a list, empty for no results) or None in each chunk
+    passed = [idx is not None for _, idx in gathered or ()]
+    mixed = [r for r, p in enumerate(passed) if p != (indices is not None)]
+    if mixed:
+        who = f"dst (rank {comm.rank})" if dst is not None else f"rank {comm.rank}"
+        raise _mixed(fn, comm, mixed[0], who)
     if indices is not None:
         return _by_index(parts, index_parts, size, fn, comm)
     return _ordered(parts, size, order, fn, comm)
@@ -606,17 +649,9 @@ def iter_results(
             _stream.fail_everywhere(link, healthy, exc, r)
     mixed = [r for r, p in enumerate(plans) if (p[2] is None) != (mine is None)]
     if mixed:
-        try:
-            _args.fail(
-                ValueError,
-                fn,
-                comm,
-                f"rank {mixed[0]} and dst (rank {rank}) disagree: one passed indices "
-                "(or sampler), the other did not",
-                "Pass indices (or sampler) on every rank or on none",
-            )
-        except ValueError as exc:
-            _stream.fail_everywhere(link, others, exc, rank)
+        _stream.fail_everywhere(
+            link, others, _mixed(fn, comm, mixed[0], f"dst (rank {rank})"), rank
+        )
     try:
         parts = None if mine is None else [p[2] for p in plans]
         ranks, positions = _layout([p[0] for p in plans], parts, size, order, fn, comm)

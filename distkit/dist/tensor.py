@@ -514,8 +514,7 @@ def reduce_scatter(
     fn = "reduce_scatter"
     comm = resolve(group, fn)
     if isinstance(data, Tensor):
-        if data.__class__ is not Tensor:
-            _args.not_dtensor(data, "data", fn, comm)
+        _args.tensor(data, "data", fn, comm)
         if data.dim() == 0 or data.shape[0] % comm.size:
             _args.fail(
                 ValueError,
