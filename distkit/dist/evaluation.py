@@ -257,10 +257,13 @@ def collect_results(
 
     Raises:
         TypeError: ``results`` is not a sequence, ``size`` not an int, ``sampler`` not a
-            replayable sampler, or a result cannot be pickled.
+            replayable sampler, an index is not an integer, or a result cannot be
+            pickled.
         ValueError: Fewer than ``size`` results arrived, an index is out of range or
-            missing, ``order`` is unknown, ``indices`` (or the sampler's) has the wrong
-            length, or both ``indices`` and ``sampler`` were given.
+            missing, some ranks passed ``indices`` (or ``sampler``) and others did not
+            (on ``dst``; every rank with ``dst=None``), ``order`` is unknown, ``indices``
+            (or the sampler's) has the wrong length, or both ``indices`` and ``sampler``
+            were given.
 
     Examples:
         >>> import distkit.dist as dist
@@ -570,9 +573,9 @@ def iter_results(
     Raises:
         TypeError: A bad argument (as in :func:`collect_results`), ``chunk_bytes`` is
             not a positive int, or a result cannot be pickled (every rank raises).
-        ValueError: Fewer than ``size`` results, an index out of range or missing
-            (every rank raises), or another argument error as in
-            :func:`collect_results`.
+        ValueError: Fewer than ``size`` results, an index out of range or missing,
+            ``indices`` (or ``sampler``) on some ranks only (every rank raises), or
+            another argument error as in :func:`collect_results`.
 
     Examples:
         >>> import distkit.dist as dist
