@@ -190,15 +190,17 @@ class BreaksOnSecondPickle:
 @ranks(2, 3)
 def test_failures_while_streaming_stop_every_rank():
     rank, size = world()
-    # dst refuses what a rank sends (safe serializer): dst raises, the others end
+    # dst refuses what a rank sends (safe serializer): dst raises, and so does every
+    # rank still serving it (told by dst), so that none goes on to its next collective
     results = [Point(rank)] * 3
     if rank == 0:
         with pytest.raises(dist.UnsafeObjectError, match="rank 1 sent an object"):
             streamed(results, 3 * size, serializer="safe", chunk_bytes=1)
     else:
-        assert streamed(results, 3 * size, serializer="safe", chunk_bytes=1) == []
+        with pytest.raises(RuntimeError, match=r"rank 0 stopped the call: .*rank 1 sent"):
+            streamed(results, 3 * size, serializer="safe", chunk_bytes=1)
     # a result that breaks while it is sent: its rank raises its own error, dst a TypeError
-    # naming it, and the rank that was asked at the same time is drained
+    # naming it, and the rank that was asked at the same time is drained, then told
     BreaksOnSecondPickle.calls = 0
     results = [BreaksOnSecondPickle() if rank == 1 else rank]
     if rank == 0:
@@ -208,7 +210,8 @@ def test_failures_while_streaming_stop_every_rank():
         with pytest.raises(TypeError, match="broke while being sent"):
             streamed(results, size)
     else:
-        assert streamed(results, size) == []
+        with pytest.raises(TypeError, match="rank 0 stopped the call: rank 1 could not send"):
+            streamed(results, size)
     assert dist.all_gather_object(rank) == list(range(size))
 
 

@@ -492,23 +492,32 @@ class _Receiver:
                 for r, p in zip(ranks.tolist(), positions.tolist()):
                     yield self.results[p] if r == me else next(queues[r])
                 del queues
-        finally:
+        except Exception as exc:  # the stream itself failed: the waiting ranks raise too
+            self._stop(pending, exc)
+            raise
+        finally:  # done, or the consumer stopped early (break, close, its own exception)
             self._stop(pending)
 
-    def _stop(self, pending: dict[int, int]) -> None:
-        """Tell every rank still waiting to stop (after draining answers asked for)."""
+    def _stop(self, pending: dict[int, int], error: Optional[BaseException] = None) -> None:
+        """Tell every rank still waiting to stop (after draining answers asked for):
+        done, or failed with ``error``."""
         link, waiting = self.link, self.waiting
         self.waiting = []
         if link is None:
             return
-        for r, count in pending.items():
+        for r, count in list(pending.items()):
+            del pending[r]
             try:
                 link.answer(r, count, self.call.fn)
             except Exception:
                 self.gone.add(r)
         for r in waiting:
-            if r not in self.gone:
+            if r in self.gone:
+                continue
+            if error is None:
                 link.done(r)
+            else:
+                link.failed(r, _args.error_code(error), self.comm.rank, str(error))
 
     def stop(self) -> None:
         self._stop({})
@@ -576,6 +585,12 @@ def iter_results(
         ValueError: Fewer than ``size`` results, an index out of range or missing,
             ``indices`` (or ``sampler``) on some ranks only (every rank raises), or
             another argument error as in :func:`collect_results`.
+
+    When the stream itself fails on ``dst`` while iterating (a rank's result breaks
+    while it is sent, or ``dst`` cannot decode it), ``dst`` raises that error and every
+    rank still serving it raises one of the same kind, ``rank <dst> stopped the call:
+    ...``. An early ``break``, ``close()`` or an exception of the consumer's own ends
+    the other ranks' iteration normally.
 
     Examples:
         >>> import distkit.dist as dist
