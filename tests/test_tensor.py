@@ -452,3 +452,23 @@ def test_gather_leaves_the_callers_tensor_alone_on_dst():
         frozen = torch.full((2,), float(rank))
     got = dist.gather(frozen, dst=0)
     assert [p.tolist() for p in got] == ([[float(r)] * 2 for r in range(size)] if rank == 0 else [])
+
+
+@ranks(2, 3)
+def test_async_uneven_all_gathers_waited_in_any_order_on_each_rank():
+    # torch lets each rank wait on its handles whenever it likes: a second round or a
+    # size history taken at wait() would pair up different calls across ranks
+    rank, size = world()
+    for _ in range(3):  # from the second call, sizes are predicted from the history
+        a = dist.all_gather(torch.full((rank + 1,), 100.0 + rank), async_op=True)
+        b = dist.all_gather(torch.full((2 * rank + 50_000,), 200.0 + rank), async_op=True)
+        if rank % 2:  # odd ranks wait in reverse, and after a blocking call
+            c = dist.all_gather(torch.tensor([rank]))
+            got_b, got_a = b.wait(), a.wait()
+        else:
+            got_a, got_b = a.wait(), b.wait()
+            c = dist.all_gather(torch.tensor([rank]))
+        assert [p.tolist() for p in got_a] == [[100.0 + r] * (r + 1) for r in range(size)]
+        assert [p.shape[0] for p in got_b] == [2 * r + 50_000 for r in range(size)]
+        assert [set(p.tolist()) for p in got_b] == [{200.0 + r} for r in range(size)]
+        assert [p.tolist() for p in c] == [[r] for r in range(size)]

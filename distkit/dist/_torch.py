@@ -281,6 +281,16 @@ class TorchBackend(TorchObjects):
                     for r in range(size)
                 ]
 
+            if async_op:
+                # finish() may take a second round and extends the size history every
+                # rank must share: run it now, so that ranks waiting on their handles in
+                # different orders (which torch allows) cannot pair up different calls'
+                # second rounds, or predict different sizes for the next call
+                for work in works:
+                    if work is not None:  # async works (typed Optional since torch 2.14)
+                        work.wait()
+                done = finish_uneven()
+                return _complete([], lambda: done, async_op)
             return _complete(works, finish_uneven, async_op)
         shapes = [tuple(data.shape)] * size
         dev = buf.device
@@ -449,8 +459,8 @@ class TorchBackend(TorchObjects):
             parts, got = _uneven.all_to_all(comm, [_bytes(t) for t in staged], rows)
             full = self._long_shapes(comm, staged, got, dev) if any(r[2] for r in got) else None
             metas = [_parse(row, f) for row, f in zip(got, full or [None] * size)]
-            dtypes = [m[0] for m in metas] + [staged[0].dtype]
-            _same_dtype(fn, comm, dtypes, what="ranks sent this rank")
+            # metas[rank] is this rank's own chunk: its dtype is compared too
+            _same_dtype(fn, comm, [m[0] for m in metas], what="ranks sent this rank")
             out = [
                 data[s] if s == rank else _to(_as(parts[s], *metas[s]), home) for s in range(size)
             ]

@@ -187,6 +187,8 @@ def all_gather(
         group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
             or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
+            Without ``same_shape=True`` the call completes before it returns (its size
+            round and size history must not depend on when each rank waits).
         same_shape: Promise that every rank passes the same shape and dtype; saves the
             shape round. Breaking the promise is an error of the backend (gloo: "invalid
             tensor size"), or silent corruption on some backends.
@@ -585,6 +587,8 @@ def all_to_all(
         group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
             or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
+            Without ``same_shape=True`` the call completes before it returns (its size
+            round and size history must not depend on when each rank waits).
         same_shape: Promise that every tensor of every rank has one shape; saves the shape
             round. The shapes of this rank's own list are checked.
 
