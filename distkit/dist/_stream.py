@@ -104,8 +104,8 @@ class Link:
         """The next control message from ``dst``: raise a FAILED one; else (kind, a)."""
         kind, a, _culprit, c = self.ints(dst, 4)
         if kind == FAILED:
-            text = self.text(dst, c)  # dst's own message, which names the call already
-            text = text[len(self.fn) + 2 :] if text.startswith(f"{self.fn}: ") else text
+            # dst's own message names the call already
+            text = self.text(dst, c).removeprefix(f"{self.fn}: ")
             _args.remote_failure(a, self.fn, self.comm, f"rank {dst} stopped the call: {text}")
         return kind, a
 

@@ -272,26 +272,19 @@ class TorchBackend(TorchObjects):
             # gloo rejects uneven all_gather (pytorch#23299): the shapes travel beside the
             # bytes, at sizes predicted from the last calls (see _uneven)
             works, gathered = _uneven.all_gather(comm, _bytes(buf), _header(buf))
-
-            def finish_uneven() -> list[Tensor]:
-                parts, rows = gathered()
-                metas = _metas(comm, rows, buf, "all_gather")
-                return [
-                    data if r == rank else _to(_as(parts[r], *metas[r]), data.device)
-                    for r in range(size)
-                ]
-
-            if async_op:
-                # finish() may take a second round and extends the size history every
-                # rank must share: run it now, so that ranks waiting on their handles in
-                # different orders (which torch allows) cannot pair up different calls'
-                # second rounds, or predict different sizes for the next call
-                for work in works:
-                    if work is not None:  # async works (typed Optional since torch 2.14)
-                        work.wait()
-                done = finish_uneven()
-                return _complete([], lambda: done, async_op)
-            return _complete(works, finish_uneven, async_op)
+            # Complete now, async_op or not: finishing may take a second round and extends
+            # the size history every rank must share, so it cannot wait for each rank's
+            # own wait() order (which torch lets differ) without pairing up different
+            # calls' second rounds or predicting different sizes for the next call.
+            for work in works:
+                work.wait()
+            parts, rows = gathered()
+            metas = _metas(comm, rows, buf, "all_gather")
+            result = [
+                data if r == rank else _to(_as(parts[r], *metas[r]), data.device)
+                for r in range(size)
+            ]
+            return _complete([], lambda: result, async_op)
         shapes = [tuple(data.shape)] * size
         dev = buf.device
         numels = [_numel(s) for s in shapes]

@@ -152,9 +152,7 @@ def _join(first: Tensor, rest: Tensor, total: int) -> Tensor:
 Finish = Callable[[], tuple[list[Tensor], list[list[int]]]]
 
 
-def all_gather(
-    comm: Comm, mine: Tensor, row: list[int], async_op: bool = False
-) -> tuple[list[Any], Finish]:
+def all_gather(comm: Comm, mine: Tensor, row: list[int]) -> tuple[list[Any], Finish]:
     """Gather every rank's bytes and header row: ``(works, finish)``.
 
     ``mine`` is this rank's data as a 1-D uint8 tensor; ``row`` its header (ints, the
