@@ -7,12 +7,15 @@ Each case computes its expected value in float64 from what every rank passed.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import WORLDS, world
 
 import distkit.dist as dist
 from distkit.testing import ranks
+from distkit.utils import get_group
 
 NARROW = [torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn]
 
@@ -130,3 +133,94 @@ def test_gather_of_complex_tensors_of_one_shape(dtype):
     got = dist.gather(t, dst=size - 1)
     expected = [(_numbers(r, 3, dtype) * (1 + 2j)).tolist() for r in range(size)]
     assert [p.tolist() for p in got] == (expected if rank == size - 1 else [])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes: compares float8 exactly, NaNs of values it cannot hold included."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _same_bits(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert torch.equal(_bits(got), _bits(expected))
+
+
+@ranks(*WORLDS)
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+def test_narrow_dtypes_move_uneven_shapes_in_a_loop(dtype):
+    # Uneven calls move bytes, with each rank's dtype and shape in a header: the first
+    # call of a kind on a group sends the headers first, later ones in front of the data,
+    # and from 256 KiB (40_000 uint64) all_gather moves each rank's bytes by broadcast
+    rank, size = world()
+    for n in (3, 3, 3, 40_000, 40_000):
+        mine = _numbers(rank, n + rank, dtype)
+        got = dist.all_gather(mine)
+        assert got[rank] is mine
+        for r, part in enumerate(got):
+            _same_bits(part, _numbers(r, n + r, dtype))
+        sent = [_numbers(rank, n + d, dtype).view(-1, 1) for d in range(size)]
+        got = dist.all_to_all(sent)
+        assert got[rank] is sent[rank]
+        for s, part in enumerate(got):
+            _same_bits(part, _numbers(s, n + rank, dtype).view(-1, 1))
+        splits = [n + d for d in range(size)]
+        rows = torch.cat([_numbers(rank, 2 * k, dtype).view(k, 2) for k in splits])
+        got = dist.all_to_all_single(rows, input_split_sizes=splits)
+        expected = torch.cat([_numbers(s, 2 * (n + rank), dtype).view(-1, 2) for s in range(size)])
+        _same_bits(got, expected)
+        gathered = dist.gather(mine, dst=size - 1)
+        assert len(gathered) == (size if rank == size - 1 else 0)
+        for r, part in enumerate(gathered):
+            _same_bits(part, _numbers(r, n + r, dtype))
+
+
+#: Pairs of dtypes ranks pass, at least one of which gloo carries as bytes: as uint8
+#: bytes, every one of these looked alike, and uneven calls returned garbage (or
+#: failed deep inside torch on one rank) instead of raising.
+DIFFERING = [
+    (torch.int16, torch.uint16),  # one item size
+    (torch.int16, torch.uint32),  # different item sizes
+    (torch.uint64, torch.int16),
+    (torch.int16, torch.float16),  # a narrow dtype and a native one
+    (torch.float8_e4m3fn, torch.uint8),
+]
+
+
+@ranks(2, 3)
+@pytest.mark.parametrize("dtypes", DIFFERING, ids=lambda pair: "-".join(map(str, pair)))
+def test_uneven_calls_of_narrow_dtypes_differing_across_ranks_fail_on_every_rank(dtypes):
+    rank, size = world()
+    dtype = dtypes[rank % 2]
+    listing = ", ".join(f"rank {r}: {dtypes[r % 2]}" for r in range(size))
+    fix = "Cast every rank's tensor to one dtype first"
+
+    def fails(fn: str, what: str = "ranks sent"):
+        message = f"{fn}: {what} different dtypes ({listing}) (on rank {rank} of {size}). {fix}"
+        return pytest.raises(TypeError, match=re.escape(message))
+
+    group = get_group(range(size), timeout=37)  # fresh in each world: no size history
+    for n in (3, 3):  # the first call of each kind (headers first), then with history
+        with fails("all_gather"):
+            dist.all_gather(_numbers(rank, n + rank, dtype), group=group)
+        with fails("all_to_all", "ranks sent this rank"):
+            dist.all_to_all([_numbers(rank, n + d, dtype) for d in range(size)], group=group)
+        splits = [n + d for d in range(size)]
+        with fails("all_to_all_single"):
+            data = _numbers(rank, sum(splits), dtype)
+            dist.all_to_all_single(data, input_split_sizes=splits, group=group)
+        with fails("gather"):
+            dist.gather(_numbers(rank, n + rank, dtype), dst=size - 1, group=group)
+        # nothing was half-sent: the group works, and its calls now have a size history
+        common = dtypes[0]
+        got = dist.all_gather(_numbers(rank, n + rank, common), group=group)
+        for r, part in enumerate(got):
+            _same_bits(part, _numbers(r, n + r, common))
+        got = dist.all_to_all([_numbers(rank, n + d, common) for d in range(size)], group=group)
+        for s, part in enumerate(got):
+            _same_bits(part, _numbers(s, n + rank, common))
+        got = dist.all_to_all_single(
+            _numbers(rank, sum(splits), common), input_split_sizes=splits, group=group
+        )
+        start = sum(splits[:rank])  # where each rank's rows for this one begin
+        expected = [_numbers(s, sum(splits), common)[start : start + n + rank] for s in range(size)]
+        _same_bits(got, torch.cat(expected))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import WORLDS, collective_calls, world
@@ -429,6 +431,67 @@ def test_all_to_all_single_infers_output_splits_beside_the_data():
         out = dist.all_to_all_single(data, input_split_sizes=splits)
         expected = torch.cat([torch.full((rank + s + 1, 2), s * 100 + rank) for s in range(size)])
         assert torch.equal(out, expected)
+
+
+@ranks(2, 3)
+def test_all_to_all_single_dtype_or_row_shape_mismatch_fails_on_every_rank():
+    # Inferring the output sizes, each rank learns every rank's dtype and row shape from
+    # the headers; once they reinterpreted other ranks' bytes as this rank's (garbage,
+    # or a reshape error on some ranks only)
+    rank, size = world()
+    splits = [rank + 1] * size  # rank r sends r + 1 rows to each rank
+
+    def data(dtype=torch.float32, row=(3,)):
+        return torch.full((size * (rank + 1), *row), float(rank), dtype=dtype)
+
+    def fails(exc, what, fix):
+        message = f"all_to_all_single: {what} (on rank {rank} of {size}). {fix}"
+        return pytest.raises(exc, match=re.escape(message))
+
+    def rows_differ(shapes):
+        listing = ", ".join(f"rank {r}: {shapes[r % 2]}" for r in range(size))
+        return fails(
+            ValueError,
+            f"ranks sent rows of different shapes ({listing})",
+            "Every rank's data must have the same shape after dim 0",
+        )
+
+    group = get_group(range(size), timeout=38)  # fresh in each world: no size history
+    for _ in range(2):  # without, then with, a size history on the group
+        dtypes = ", ".join(f"rank {r}: torch.float{64 if r == 1 else 32}" for r in range(size))
+        with fails(TypeError, f"ranks sent different dtypes ({dtypes})", "Cast every rank"):
+            dtype = torch.float64 if rank == 1 else torch.float32
+            dist.all_to_all_single(data(dtype), input_split_sizes=splits, group=group)
+        with rows_differ(["(3,)", "(4,)"]):
+            dist.all_to_all_single(data(row=(3 + rank % 2,)), input_split_sizes=splits, group=group)
+        with rows_differ(["(4,)", "(2, 2)"]):  # as many bytes per row
+            row = (2, 2) if rank % 2 else (4,)
+            dist.all_to_all_single(data(row=row), input_split_sizes=splits, group=group)
+        # rows that differ only beyond the dims a header holds are named by their first
+        with rows_differ(["(1, 1, 1, 1, ...) (6 dims)"] * 2):
+            row = (1, 1, 1, 1, 2, 3) if rank % 2 else (1, 1, 1, 1, 3, 2)
+            dist.all_to_all_single(data(row=row), input_split_sizes=splits, group=group)
+        # nothing was half-sent: the group still works
+        out = dist.all_to_all_single(data(), input_split_sizes=splits, group=group)
+        expected = torch.cat([torch.full((s + 1, 3), float(s)) for s in range(size)])
+        assert torch.equal(out, expected)
+
+
+@ranks(*WORLDS)
+def test_all_to_all_single_of_zero_width_rows():
+    # rows of 0 bytes: the row counts come from the headers, not from the bytes
+    rank, size = world()
+    splits = [rank + d for d in range(size)]  # rank 0 sends itself no rows
+    expected_rows = sum(s + rank for s in range(size))
+    for row in ((0,), (2, 0)):
+        data = torch.empty((sum(splits), *row), dtype=torch.int64)
+        for _ in range(3):  # the first call of its kind on the group, then with history
+            out = dist.all_to_all_single(data, input_split_sizes=splits)
+            assert out.shape == (expected_rows, *row) and out.dtype == torch.int64
+        out = dist.all_to_all_single(data, [s + rank for s in range(size)], splits)
+        assert out.shape == (expected_rows, *row)
+        even = dist.all_to_all_single(torch.empty((2 * size, *row)))
+        assert even.shape == (2 * size, *row)
 
 
 @ranks(*WORLDS)

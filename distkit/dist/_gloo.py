@@ -19,6 +19,12 @@ fill the caller's tensor; list results hold the caller's own tensor at its index
 and products wrap as that dtype's own arithmetic would; ``mean`` truncates as for every
 integer type (of ``uint64``, only values below 2**63 are exact). Every other dtype takes
 :class:`~distkit.dist._torch.TorchBackend`'s path untouched, after one dict lookup.
+
+Some calls need nothing here, whatever the dtype: ``gather``, ``scatter``, and the
+uneven ``all_gather``, ``all_to_all`` and ``all_to_all_single`` (output sizes inferred)
+already move bytes, with each rank's real dtype in the header they exchange, so ranks
+passing different dtypes fail there alike (int16 on one rank, uint16 on another, say:
+as bytes, both would be uint8).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 from torch import Tensor
 
 from distkit.dist._ops import Op
-from distkit.dist._torch import TorchBackend
+from distkit.dist._torch import TorchBackend, _infers_splits
 from distkit.dist.handle import Handle
 
 T = TypeVar("T")
@@ -146,23 +152,15 @@ class GlooBackend(TorchBackend):
         return _then(super().broadcast(comm, carrier, src, async_op), back)
 
     def all_gather(self, comm: Any, data: Tensor, async_op: bool, same_shape: bool) -> Any:
-        if data.dtype not in WIDER:
+        if not same_shape or data.dtype not in WIDER:  # uneven: bytes and real dtypes
             return super().all_gather(comm, data, async_op, same_shape)
         return _then(
             super().all_gather(comm, _as_bytes(data), async_op, same_shape),
             lambda parts: self._own(parts, data, comm.rank),
         )
 
-    def gather(self, comm: Any, data: Tensor, dst: int, async_op: bool, same_shape: bool) -> Any:
-        if data.dtype not in WIDER:
-            return super().gather(comm, data, dst, async_op, same_shape)
-        return _then(
-            super().gather(comm, _as_bytes(data), dst, async_op, same_shape),
-            lambda parts: self._own(parts, data, comm.rank) if parts else parts,
-        )
-
     def all_to_all(self, comm: Any, data: list[Tensor], async_op: bool, same_shape: bool) -> Any:
-        if data[0].dtype not in WIDER:
+        if not same_shape or data[0].dtype not in WIDER:  # uneven: bytes and real dtypes
             return super().all_to_all(comm, data, async_op, same_shape)
         mine = data[comm.rank]
         return _then(
@@ -178,7 +176,7 @@ class GlooBackend(TorchBackend):
         input_split_sizes: Optional[list[int]],
         async_op: bool,
     ) -> Any:
-        if data.dtype not in WIDER:
+        if data.dtype not in WIDER or _infers_splits(output_split_sizes, input_split_sizes):
             return super().all_to_all_single(
                 comm, data, output_split_sizes, input_split_sizes, async_op
             )

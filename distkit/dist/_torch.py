@@ -175,6 +175,61 @@ def _same_dtype(fn: str, comm: Comm, dtypes: list[torch.dtype], what: str = "ran
         )
 
 
+# all_to_all_single with inferred output sizes sends each rank a row of: the rows it
+# sends there, its dtype code, the number of dims of a row, a digest of the row shape,
+# then the first ROW_DIMS dims of a row (the digest catches a difference beyond them).
+ROW_DIMS = 4
+
+
+def _row_header(t: Tensor) -> list[int]:
+    """The part of an all_to_all_single header row that is the same for every peer."""
+    row_shape = tuple(t.shape[1:])
+    dims = list(row_shape[:ROW_DIMS])
+    # hash() of a tuple of ints is the same in every process (no hash randomization)
+    return [
+        _DTYPE_CODE[t.dtype],
+        len(row_shape),
+        hash(row_shape),
+        *dims,
+        *[0] * (ROW_DIMS - len(dims)),
+    ]
+
+
+def _show_rows(row: list[int]) -> str:
+    """The row shape an all_to_all_single header row names."""
+    ndim, dims = row[2], row[4 : 4 + ROW_DIMS]
+    if ndim <= ROW_DIMS:
+        return str(tuple(dims[:ndim]))
+    return f"({', '.join(map(str, dims))}, ...) ({ndim} dims)"
+
+
+def _same_rows(fn: str, comm: Comm, rows: list[list[int]]) -> None:
+    """Every rank sent one dtype and one row shape (``rows``: the header rows received,
+    which every rank receives from every rank, so all raise alike)."""
+    first = rows[0][1:]
+    if all(row[1:] == first for row in rows):
+        return
+    _same_dtype(fn, comm, [_DTYPES[row[1]] for row in rows])
+    if any(row[2:] != rows[0][2:] for row in rows):
+        listing = ", ".join(f"rank {r}: {_show_rows(row)}" for r, row in enumerate(rows))
+        fail(
+            ValueError,
+            fn,
+            comm,
+            f"ranks sent rows of different shapes ({listing})",
+            "Every rank's data must have the same shape after dim 0 (only the row counts "
+            "may differ)",
+        )
+
+
+def _infers_splits(
+    output_split_sizes: Optional[list[int]], input_split_sizes: Optional[list[int]]
+) -> bool:
+    """Whether all_to_all_single learns its output sizes from the headers (bytes and
+    headers through :func:`_uneven.all_to_all`)."""
+    return output_split_sizes is None and input_split_sizes is not None
+
+
 def _all_gather_rows(comm: Comm, row: list[int], dev: torch.device) -> list[list[int]]:
     """All-gather one small int64 row per rank (shapes, sizes)."""
     mine = torch.tensor(row, dtype=torch.int64, device=dev)
@@ -212,10 +267,6 @@ def _metas(
     metas = [_parse(row, f) for row, f in zip(rows, full)]
     _same_dtype(fn, comm, [m[0] for m in metas])
     return metas
-
-
-def _itself(t: Tensor) -> Tensor:
-    return t
 
 
 def _bytes(t: Tensor) -> Tensor:
@@ -331,14 +382,17 @@ class TorchBackend(TorchObjects):
         buf, _ = _stage(comm, data)
         dev, rank, dst_global = buf.device, comm.rank, comm.global_rank(dst)
         even = all(s == shapes[0] for s in shapes)
-        # torch's gather, unlike its other collectives, does not send complex tensors as
-        # pairs of reals, and gloo refuses them ("Invalid scalar type")
-        real = torch.view_as_real if buf.is_complex() else _itself
+        # the data moves as bytes (the shape round carried the real dtypes), so every dtype
+        # travels: gloo refuses int16, the unsigned types wider than uint8 and float8, and
+        # complex tensors in a gather (which, unlike torch's other collectives, does not
+        # send them as pairs of reals)
         if rank != dst:
             if even:
-                work = td.gather(real(buf), None, dst=dst_global, group=comm.pg, async_op=async_op)
+                work = td.gather(
+                    _bytes(buf), None, dst=dst_global, group=comm.pg, async_op=async_op
+                )
             else:
-                work = td.isend(buf.reshape(-1), dst_global, group=comm.pg)
+                work = td.isend(_bytes(buf), dst_global, group=comm.pg)
             return _complete(_works(work), lambda: [], async_op)
 
         # dst's own slot is a buffer of its own: gathering into ``buf`` itself would write
@@ -347,8 +401,8 @@ class TorchBackend(TorchObjects):
         if even:
             works = _works(
                 td.gather(
-                    real(buf),
-                    [real(o) for o in outs],
+                    _bytes(buf),
+                    [_bytes(o) for o in outs],
                     dst=dst_global,
                     group=comm.pg,
                     async_op=async_op,
@@ -356,7 +410,7 @@ class TorchBackend(TorchObjects):
             )
         else:
             works = [
-                td.irecv(outs[r].reshape(-1), comm.global_rank(r), group=comm.pg)
+                td.irecv(_bytes(outs[r]), comm.global_rank(r), group=comm.pg)
                 for r in range(comm.size)
                 if r != rank
             ]
@@ -503,12 +557,24 @@ class TorchBackend(TorchObjects):
     ) -> Result[Tensor]:
         buf, _ = _stage(comm, data)
         rows = buf.shape[0] if buf.dim() else 0
-        if output_split_sizes is None and input_split_sizes is not None:
-            # the row counts travel beside the rows, at sizes predicted from the last calls
+        if _infers_splits(output_split_sizes, input_split_sizes):
+            assert input_split_sizes is not None
+            # the row counts travel beside the rows, at sizes predicted from the last
+            # calls, with the dtype and row shape, which every rank checks before any
+            # second round moves more data
             pieces = [_bytes(p) for p in buf.split(input_split_sizes)]
-            parts, _ = _uneven.all_to_all(comm, pieces, [[]] * comm.size, "all_to_all_single")
+            same = _row_header(buf)
+            heads = [[n, *same] for n in input_split_sizes]
+            parts, got = _uneven.all_to_all(
+                comm,
+                pieces,
+                heads,
+                "all_to_all_single",
+                lambda got: _same_rows("all_to_all_single", comm, got),
+            )
             row_shape = tuple(buf.shape[1:])
-            out = torch.cat([_as(p, buf.dtype, (-1, *row_shape)) for p in parts])
+            # the counts come from the headers: rows of 0 bytes have a count too
+            out = torch.cat([_as(p, buf.dtype, (h[0], *row_shape)) for p, h in zip(parts, got)])
             return _complete([], lambda: _to(out, data.device), async_op)
         if output_split_sizes is None:
             output_split_sizes = [rows // comm.size] * comm.size

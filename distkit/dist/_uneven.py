@@ -29,7 +29,7 @@ from __future__ import annotations
 import ctypes
 import struct
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as td
@@ -238,12 +238,21 @@ def all_gather(comm: Comm, mine: Tensor, row: list[int]) -> tuple[list[Any], Fin
 
 
 def all_to_all(
-    comm: Comm, chunks: list[Tensor], rows: list[list[int]], kind: str = "all_to_all"
+    comm: Comm,
+    chunks: list[Tensor],
+    rows: list[list[int]],
+    kind: str = "all_to_all",
+    check: Optional[Callable[[list[list[int]]], None]] = None,
 ) -> tuple[list[Tensor], list[list[int]]]:
     """Send ``chunks[d]`` (1-D uint8) and header ``rows[d]`` to rank ``d``.
 
     Returns what each rank sent here: its bytes (exactly as many as it sent) and its
     header row. This rank's own chunk comes back as it was passed.
+
+    ``check``, given, is called with the header rows received (in sender order) as soon
+    as they arrive, before any second round: when it raises on every rank (it sees what
+    every rank sent, so a check of what all ranks must agree on does), nothing more moves
+    and the group's size history is left as it was.
     """
     size, rank = comm.size, comm.rank
     dev = chunks[0].device
@@ -278,6 +287,9 @@ def all_to_all(
         segments = first.split(out_splits)
         got = _decode(first, segments, out_splits, fmt)
         firsts = [seg[head:] for seg in segments]
+    theirs = [row[2 : 2 + width] for row in got]  # the header rows as the callers sent them
+    if check is not None:
+        check(theirs)
     received = [row[0] for row in got]
     rests: list[Tensor] = [first[:0]] * size
     if any(row[1] for row in got):  # some rank sent more than its capacity somewhere
@@ -292,4 +304,4 @@ def all_to_all(
     parts = [
         chunks[rank] if s == rank else _join(firsts[s], rests[s], received[s]) for s in range(size)
     ]
-    return parts, [row[2 : 2 + width] for row in got]
+    return parts, theirs

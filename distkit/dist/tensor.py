@@ -664,8 +664,9 @@ def all_to_all_single(
     Args:
         data: Tensor to split along its first dimension.
         output_split_sizes: Rows to receive from each rank. ``None`` infers them: from
-            the other ranks' ``input_split_sizes`` (one small extra round) when
-            ``input_split_sizes`` is given, else an even split.
+            the other ranks' ``input_split_sizes`` when ``input_split_sizes`` is given
+            (they travel beside the data, with each rank's dtype and row shape, which
+            every rank checks), else an even split.
         input_split_sizes: Rows to send to each rank; ``None`` splits ``data`` evenly.
         group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
             or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
@@ -675,9 +676,12 @@ def all_to_all_single(
         A new tensor holding the pieces received, in rank order. ``data`` is not modified.
 
     Raises:
-        TypeError: ``data`` is not a tensor, or split sizes are not lists of ints.
+        TypeError: ``data`` is not a tensor, or split sizes are not lists of ints; or,
+            with the output sizes inferred, ranks passed different dtypes (on every rank).
         ValueError: Split sizes have the wrong length, are negative, or do not sum to the
-            rows of ``data``; or ``data`` does not split evenly when no sizes are given.
+            rows of ``data``; or ``data`` does not split evenly when no sizes are given;
+            or, with the output sizes inferred, ranks' rows (``data.shape[1:]``) differ
+            (on every rank).
 
     Examples:
         >>> import torch
