@@ -337,3 +337,77 @@ def test_unpickling_pauses_the_garbage_collector_and_restores_it():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def _refused_on_receivers(src):
+    rank = dist.get_rank()
+    if rank != src:
+        raise ValueError(f"rank {rank} refuses this part")
+    return rank
+
+
+class _ReceiverFails:
+    """Pickles on any rank; unpickling it raises on every rank but rank 0."""
+
+    def __reduce__(self):
+        return (_refused_on_receivers, (0,))
+
+
+def _long(n):
+    """A list whose pickle stream is long (``n`` small dicts sharing one list)."""
+    shared = ["shared", 1]
+    return [{"id": i, "score": i / 3, "label": "cat", "shared": shared} for i in range(n)]
+
+
+@ranks(*WORLDS)
+def test_broadcast_object_streams_a_long_pickle_stream(monkeypatch):
+    rank, size = world()
+    streamed = []
+    decode = _torch_objects._Receiver.decode
+    monkeypatch.setattr(
+        _torch_objects._Receiver,
+        "decode",
+        lambda self, call: streamed.append(1) or decode(self, call),
+    )
+    # about 3 MB of pickle: chunks of every size up to 512 KiB, and every kind of part
+    items = _long(150_000)
+    obj = {"head": make(0), "items": items, "bytes": bytes(range(256)) * 4000, "tail": make(0)}
+    src = size - 1 if size else 0
+    got = dist.broadcast_object(obj if rank == src else None, src=src)
+    if rank == src:
+        assert got is obj
+    assert got["items"] == items and got["bytes"] == obj["bytes"]
+    assert got["items"][0]["shared"] is got["items"][-1]["shared"]  # one object, as sent
+    check_payload(got["head"], 0)
+    check_payload(got["tail"], 0)
+    assert streamed == ([1] if rank != src else [])
+    # the safe serializer gets the whole stream first, then checks and decodes it
+    got = dist.broadcast_object_list([items] if rank == src else [], src=src, serializer="safe")
+    assert got == [items]
+    # just past the threshold, and a stream whose rest is empty (no tensor, no buffer)
+    edge = "s" * _torch_objects.STREAM_BYTES
+    assert dist.broadcast_object(edge if rank == 0 else None) == edge
+
+
+@ranks(2, 3)
+def test_a_failing_stream_stops_every_rank_and_keeps_them_in_step():
+    rank, size = world()
+    items = _long(50_000)
+    # the source fails after it began to stream: every rank raises, naming the source
+    bad = [*items, threading.Lock()]
+    with pytest.raises(TypeError) as info:
+        dist.broadcast_object(bad if rank == 0 else None)
+    if rank == 0:
+        assert "obj[50000] (lock) cannot be pickled" in str(info.value)
+    else:
+        assert "rank 0 could not send its object: broadcast_object: obj[50000]" in str(info.value)
+    # a receiver fails to unpickle part way: it still takes every chunk of the call
+    tricky = [*items[:20_000], _ReceiverFails(), *items]
+    if rank == 0:
+        assert dist.broadcast_object(tricky) is tricky
+    else:
+        with pytest.raises(ValueError, match=f"rank {rank} refuses this part"):
+            dist.broadcast_object(None)
+    # the group is still in step: the next collectives pair up as they should
+    assert dist.broadcast_object(items if rank == 1 else None, src=1) == items
+    assert dist.all_gather_object(rank) == list(range(size))
