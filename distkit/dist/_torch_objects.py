@@ -50,23 +50,7 @@ BROADCAST_BYTES = 256 * 1024
 
 # Slot status: the object fits, it overflows, or the sender failed: FAILED + the index of
 # its error's type in _args.REMOTE_ERRORS, so the other ranks raise the same type.
-# STREAM (broadcast_object only): the object follows in chunks (see _Sender).
-INLINE, OVERFLOW, FAILED, STREAM = 0, 1, 2, -1
-
-#: broadcast_object streams a pickle stream longer than this: the source sends it in
-#: chunks while it is still pickling, and the receivers unpickle each chunk as it
-#: arrives, so pickling, moving and unpickling overlap instead of following each other.
-STREAM_BYTES = 64 * 1024
-CHUNK_HEAD = 32  # int64 status (MORE, LAST or FAILED + code), data bytes, rest, device bytes
-MORE, LAST = 0, 1
-
-
-def chunk_bytes(k: int) -> int:
-    """Bytes of the ``k``-th chunk message of a stream, its header included; both sides
-    know the schedule, so no chunk waits for the size of the next: 64 KiB for the first
-    four (the receivers start early), then doubling every four, up to 4 MiB (a long
-    stream takes few calls)."""
-    return min(STREAM_BYTES << (k // 4), 4 << 20)
+INLINE, OVERFLOW, FAILED = 0, 1, 2
 
 
 class _Channel:
@@ -105,16 +89,11 @@ class _Head(NamedTuple):
 
 
 def _encode(
-    comm: Comm,
-    obj: Any,
-    name: str,
-    fn: str,
-    dev: Optional[_Channel],
-    stream: Optional[_wire.Streamer] = None,
+    comm: Comm, obj: Any, name: str, fn: str, dev: Optional[_Channel]
 ) -> tuple[Optional[Encoded], Optional[Exception]]:
     """``(Encoded, None)``, or ``(None, the error to raise after telling the others)``."""
     try:
-        return _wire.encode(obj, name, fn, comm, dev.device if dev else None, stream), None
+        return _wire.encode(obj, name, fn, comm, dev.device if dev else None), None
     except Exception as exc:  # whatever breaks, the other ranks must hear of it
         return None, exc
 
@@ -124,13 +103,10 @@ def _slot(
     error: Optional[Exception],
     ch: _Channel,
     flags: tuple[bool, bool] = (False, False),
-    streamed: bool = False,
 ) -> Tensor:
     """One rank's first-round slot: a 64-byte header, then the inline CPU part."""
     raw = bytearray(SLOT_BYTES)
-    if streamed:
-        head = (STREAM, 0, 0)
-    elif error is not None:
+    if error is not None:
         message = str(error).encode()[:INLINE_BYTES]
         head = (FAILED + _args.error_code(error), len(message), 0)
         raw[SLOT_HEAD : SLOT_HEAD + len(message)] = message
@@ -226,208 +202,6 @@ def _send_recv(
 def _decode(comm: Comm, call: ObjectCall, sender: int, cpu: Tensor, dev: Optional[Tensor]) -> Any:
     enc = Encoded(cpu.cpu(), dev)
     return _wire.decode(enc, call.map_location, call.serializer, sender, call.fn, comm)
-
-
-class _Sender(_wire.Streamer):
-    """broadcast_object's source side of a stream: the slot (status STREAM), then chunks
-    of the pickle stream as the encoder writes it, then the last chunk, which gives the
-    sizes of the rest (blob table and CPU blobs, :func:`distkit.dist._wire.encode`) and
-    of the device part, or the error that stopped the encoder.
-
-    Every chunk is an asynchronous broadcast on the CPU channel, so the source goes on
-    pickling while gloo sends; the chunks are waited for at the end.
-    """
-
-    threshold = STREAM_BYTES
-
-    def __init__(self, ch: _Channel, src_global: int) -> None:
-        self.ch = ch
-        self.src = src_global
-        self.works: list[Any] = []
-        self.k = 0
-        self.started = False
-
-    def _send(self, t: Tensor) -> None:
-        self.works.append(td.broadcast(t, self.src, group=self.ch.pg, async_op=True))
-
-    def _new(self) -> None:
-        self.buf = torch.empty(chunk_bytes(self.k), dtype=torch.uint8)
-        self.view = _wire.bytes_view(self.buf)
-        self.n = CHUNK_HEAD
-
-    def start(self) -> None:
-        self.started = True
-        self._send(_slot(None, None, self.ch, streamed=True))
-        self._new()
-
-    def write(self, data: Any) -> None:
-        data = memoryview(data).cast("B")
-        i, m = 0, len(data)
-        while i < m:
-            take = min(len(self.view) - self.n, m - i)
-            self.view[self.n : self.n + take] = data[i : i + take]
-            self.n += take
-            i += take
-            if self.n == len(self.view):
-                self._ship(MORE)
-
-    def _ship(self, status: int, rest: int = 0, dev: int = 0) -> None:
-        struct.pack_into("<4q", self.view, 0, status, self.n - CHUNK_HEAD, rest, dev)
-        self._send(self.buf)
-        self.k += 1
-        if status == MORE:
-            self._new()
-
-    def finish(self, enc: Optional[Encoded], error: Optional[Exception]) -> None:
-        """Send the last chunk and the rest, wait for every chunk; raise ``error`` if any."""
-        try:
-            if error is not None:
-                message = str(error).encode()[: len(self.view) - CHUNK_HEAD]
-                self.view[CHUNK_HEAD : CHUNK_HEAD + len(message)] = message
-                self.n = CHUNK_HEAD + len(message)
-                self._ship(FAILED + _args.error_code(error))
-            else:
-                assert enc is not None
-                rest = None if _wire.is_empty(enc) else enc.cpu
-                dev = enc.dev.numel() if enc.dev is not None else 0
-                self._ship(LAST, rest.numel() if rest is not None else 0, dev)
-                if rest is not None:
-                    self._send(rest)
-        finally:
-            works, self.works = self.works, []
-            for work in works:
-                work.wait()
-        if error is not None:
-            raise error
-
-
-class _Receiver:
-    """broadcast_object's receiving side of a stream: a file of the pickle stream for
-    the unpickler (``read``, ``readinto``, ``readline``), which receives chunk ``k + 1``
-    while chunk ``k`` is unpickled, then the rest (see :class:`_Sender`)."""
-
-    def __init__(self, comm: Comm, ch: _Channel, dev: Optional[_Channel], src: int, fn: str):
-        self.comm, self.ch, self.dev, self.src, self.fn = comm, ch, dev, src, fn
-        self.src_global = comm.global_rank(src)
-        self.k = 0
-        self.buf = b""
-        self.pos = 0
-        self.last = False
-        self.failure: Optional[Exception] = None
-        self.rest_bytes = self.dev_bytes = 0
-        self.got: Optional[Encoded] = None
-        self.pending = self._post()
-
-    def _post(self) -> tuple[Tensor, Any]:
-        t = torch.empty(chunk_bytes(self.k), dtype=torch.uint8)
-        self.k += 1
-        return t, td.broadcast(t, self.src_global, group=self.ch.pg, async_op=True)
-
-    def _fill(self) -> bool:
-        """Receive the next chunk into the buffer; False at the end of the stream."""
-        if self.last:
-            return False
-        t, work = self.pending
-        work.wait()
-        view = _wire.bytes_view(t)
-        status, n, rest, dev = struct.unpack_from("<4q", view, 0)
-        if not 0 <= n <= len(view) - CHUNK_HEAD:
-            self.last = True
-            raise _wire.Refused(f"a chunk of {len(view)} bytes claims {n}")
-        if status == MORE:
-            self.pending = self._post()
-        else:
-            self.last = True
-            if status >= FAILED:
-                text = bytes(view[CHUNK_HEAD : CHUNK_HEAD + n]).decode(errors="replace")
-                try:
-                    _args.remote_failure(
-                        status - FAILED,
-                        self.fn,
-                        self.comm,
-                        f"rank {self.src} could not send its object: {text}",
-                    )
-                except Exception as exc:
-                    self.failure = exc
-                    raise
-            if status != LAST or rest < 0 or dev < 0:
-                raise _wire.Refused(f"a chunk of status {status} ends the stream")
-            self.rest_bytes, self.dev_bytes = rest, dev
-        self.buf = self.buf[self.pos :] + bytes(view[CHUNK_HEAD : CHUNK_HEAD + n])
-        self.pos = 0
-        return True
-
-    def read(self, n: int = -1) -> bytes:
-        if n is None or n < 0:
-            while self._fill():
-                pass
-            n = len(self.buf) - self.pos
-        else:
-            while len(self.buf) - self.pos < n and self._fill():
-                pass
-        out = self.buf[self.pos : self.pos + n]
-        self.pos += len(out)
-        return out
-
-    def readinto(self, b: Any) -> int:
-        out = self.read(len(memoryview(b).cast("B")))
-        memoryview(b).cast("B")[: len(out)] = out
-        return len(out)
-
-    def readline(self) -> bytes:
-        while self.buf.find(b"\n", self.pos) < 0 and self._fill():
-            pass
-        end = self.buf.find(b"\n", self.pos)
-        return self.read(end + 1 - self.pos if end >= 0 else -1)
-
-    def unread(self) -> int:
-        """Bytes of the stream not read (after receiving all of it)."""
-        while self._fill():
-            pass
-        return len(self.buf) - self.pos
-
-    def rest(self) -> Encoded:
-        """What follows the stream: the CPU rest and the device part (received once)."""
-        while self._fill():  # the stream's end stays in the buffer, for the unpickler
-            pass
-        if self.got is None:
-            cpu: Tensor
-            if self.rest_bytes:
-                cpu = torch.empty(self.rest_bytes, dtype=torch.uint8)
-                td.broadcast(cpu, self.src_global, group=self.ch.pg)
-            else:
-                cpu = _wire.empty().cpu
-            dev_part = None
-            if self.dev_bytes and self.dev is not None:
-                dev_part = torch.empty(self.dev_bytes, dtype=torch.uint8, device=self.dev.device)
-                td.broadcast(dev_part, self.src_global, group=self.dev.pg)
-            self.got = Encoded(cpu, dev_part)
-        return self.got
-
-    def decode(self, call: ObjectCall) -> Any:
-        """The object, unpickled as it arrives; every message of the call is received even
-        when decoding fails, so the ranks stay in step for their next collective."""
-        try:
-            obj = _wire.decode(
-                None,
-                call.map_location,
-                call.serializer,
-                self.src,
-                self.fn,
-                self.comm,
-                incoming=self,
-            )
-        except Exception:
-            if self.failure is None:
-                try:
-                    self.rest()
-                except Exception:
-                    pass  # the decoding error says more
-            if self.failure is not None:
-                raise self.failure from None
-            raise
-        self.rest()
-        return obj
 
 
 def _received(
@@ -549,29 +323,21 @@ class TorchObjects(Backend):
     def broadcast_object(self, comm: Comm, obj: Any, src: int, name: str, call: ObjectCall) -> Any:
         cpu, dev = _channels(comm)
         rank, src_global = comm.rank, comm.global_rank(src)
+        enc, error = _encode(comm, obj, name, call.fn, dev) if rank == src else (None, None)
+        slot = _slot(enc, error, cpu)
+        td.broadcast(slot, src_global, group=cpu.pg)
         if rank == src:
-            sender = _Sender(cpu, src_global) if cpu.device.type == "cpu" else None
-            enc, error = _encode(comm, obj, name, call.fn, dev, sender)
-            if sender is not None and sender.started:
-                sender.finish(enc, error)
-            else:
-                td.broadcast(_slot(enc, error, cpu), src_global, group=cpu.pg)
-                if error is not None:
-                    raise error
-                assert enc is not None
-                if enc.cpu.numel() > INLINE_BYTES:
-                    td.broadcast(enc.cpu.to(cpu.device), src_global, group=cpu.pg)
+            if error is not None:
+                raise error
             assert enc is not None
+            if enc.cpu.numel() > INLINE_BYTES:
+                td.broadcast(enc.cpu.to(cpu.device), src_global, group=cpu.pg)
             if enc.dev is not None and dev is not None:
                 td.broadcast(enc.dev, src_global, group=dev.pg)
             return obj
-        slot = _slot(None, None, cpu)
-        td.broadcast(slot, src_global, group=cpu.pg)
         host, heads = _heads(slot)
         head = heads[0]
         _raise_failures(call.fn, comm, {src: head}, {src: host[0]}, None)
-        if head.status == STREAM:
-            return _Receiver(comm, cpu, dev, src, call.fn).decode(call)
         if head.status == OVERFLOW:
             part = torch.empty(head.cpu_bytes, dtype=torch.uint8, device=cpu.device)
             td.broadcast(part, src_global, group=cpu.pg)

@@ -202,78 +202,21 @@ class Encoded(NamedTuple):
 
 
 def encode(
-    obj: Any,
-    name: str,
-    fn: str,
-    comm: Comm,
-    device: Optional[torch.device] = None,
-    stream: Optional[Streamer] = None,
+    obj: Any, name: str, fn: str, comm: Comm, device: Optional[torch.device] = None
 ) -> Encoded:
     """Encode ``obj``; tensors on ``device``'s type go to the device part, others to the CPU.
-
-    With a ``stream``, a pickle stream that grows past ``stream.threshold`` bytes is handed
-    to it while it is written (:meth:`Streamer.start`, then :meth:`Streamer.write`), and
-    the part returned is only the rest: the blob table and blobs behind an empty skeleton.
 
     Raises:
         TypeError: ``obj`` (or a part of it, named by its path) cannot be pickled.
     """
-    sink = _Skeleton(stream)
-    encoder = _Encoder(sink, device.type if device is not None else None)
+    stream = io.BytesIO()
+    encoder = _Encoder(stream, device.type if device is not None else None)
     try:
         encoder.dump(obj)
     except Exception as exc:
         raise _pickling.error(obj, name, fn, comm, exc) from None
-    skeleton = sink.stream.getbuffer() if not sink.streaming else memoryview(b"")
-    try:
-        return _assemble(skeleton, encoder.blobs, encoder.places, device)
-    finally:
-        skeleton.release()
-
-
-class Streamer:
-    """Where :func:`encode` hands a long pickle stream as it is written (see
-    :meth:`encode`); ``write`` takes every byte of it, in order, from the first."""
-
-    threshold: int
-
-    def start(self) -> None:
-        raise NotImplementedError
-
-    def write(self, data: Any) -> None:
-        raise NotImplementedError
-
-
-class _Skeleton:
-    """The encoder's file: the pickle stream in memory, or past the streamer's threshold,
-    handed to the streamer (the bytes kept so far first)."""
-
-    def __init__(self, streamer: Optional[Streamer]) -> None:
-        self.stream = io.BytesIO()
-        self.streamer = streamer
-        self.streaming = False
-        self.limit = streamer.threshold if streamer is not None else -1
-
-    def write(self, data: Any) -> int:
-        if self.streaming:
-            assert self.streamer is not None
-            self.streamer.write(data)
-            return len(memoryview(data).cast("B"))
-        n = self.stream.write(data)
-        if 0 <= self.limit < self.stream.tell():
-            assert self.streamer is not None
-            self.streaming = True
-            self.streamer.start()
-            with self.stream.getbuffer() as kept:
-                self.streamer.write(kept)
-            self.stream = io.BytesIO()
-        return n
-
-
-def _assemble(
-    skeleton: memoryview, blobs: list, places: list, device: Optional[torch.device]
-) -> Encoded:
-    """Lay out the CPU part (header, blob table, skeleton, CPU blobs) and the device part."""
+    skeleton = stream.getbuffer()
+    blobs, places = encoder.blobs, encoder.places
     sizes = [b.nbytes if isinstance(b, memoryview) else b.numel() * b.element_size() for b in blobs]
 
     table_end = HEADER_BYTES + 16 * len(blobs)
@@ -304,6 +247,7 @@ def _assemble(
         f"<{4 + len(table)}q", raw, 0, MAGIC, len(skeleton), len(blobs), dev_size, *table
     )
     raw[table_end : table_end + len(skeleton)] = skeleton
+    skeleton.release()
     dev = torch.empty(dev_size, dtype=torch.uint8, device=device) if dev_size else None
     for blob, size, place, offset in zip(blobs, sizes, places, offsets):
         if size == 0:
@@ -322,22 +266,6 @@ def _assemble(
     return Encoded(cpu, dev)
 
 
-def is_empty(enc: Encoded) -> bool:
-    """Whether ``enc`` holds no skeleton and no blob (what a streamed object leaves when
-    it holds no tensor or out-of-band buffer): its receivers need not get it."""
-    if enc.dev is not None or enc.cpu.numel() > ALIGN:
-        return False
-    _, skel_len, n_blobs, _ = struct.unpack_from("<4q", bytes_view(enc.cpu), 0)
-    return skel_len == 0 and n_blobs == 0
-
-
-#: What a receiver of a streamed object rebuilds in place of an empty rest.
-def empty() -> Encoded:
-    raw = bytearray(ALIGN)
-    struct.pack_into("<4q", raw, 0, MAGIC, 0, 0, 0)
-    return Encoded(torch.frombuffer(raw, dtype=torch.uint8), None)
-
-
 # -- decoding ----------------------------------------------------------------------
 
 
@@ -352,9 +280,7 @@ class _Parts(NamedTuple):
     copied: int  # bytes of out-of-band buffers copied out of the receive buffer
 
 
-def _parse(enc: Encoded, streamed: Optional[bytes] = None) -> _Parts:
-    """Check ``enc``'s header and blob table; ``streamed``: the skeleton, received apart
-    (``enc`` then holds an empty one)."""
+def _parse(enc: Encoded) -> _Parts:
     cpu, dev = enc
     raw = bytes_view(cpu)
     total, dev_total = len(raw), (dev.numel() if dev is not None else 0)
@@ -370,8 +296,6 @@ def _parse(enc: Encoded, streamed: Optional[bytes] = None) -> _Parts:
         raise Refused(f"a skeleton of {skel_len} bytes does not fit in {total} bytes")
     if dev_bytes != dev_total:
         raise Refused(f"the header claims a device part of {dev_bytes} bytes, got {dev_total}")
-    if streamed is not None and skel_len:
-        raise Refused(f"a streamed object's rest holds a skeleton of {skel_len} bytes")
     table = struct.unpack_from(f"<{2 * n_blobs}q", raw, HEADER_BYTES)
     cpu_off, dev_off = _align(table_end + skel_len), 0
     spans: list = []
@@ -394,8 +318,6 @@ def _parse(enc: Encoded, streamed: Optional[bytes] = None) -> _Parts:
                     buffers.append(bytearray(part))
                     copied += size
             cpu_off = _align(cpu_off + size)
-    if streamed is not None:
-        return _Parts(streamed, spans, buffers, len(streamed) + total + dev_total, raw, copied)
     skeleton = bytes(raw[table_end : table_end + skel_len])
     return _Parts(skeleton, spans, buffers, total + dev_total, raw, copied)
 
@@ -547,14 +469,13 @@ def _shares(size: int, buffer: int) -> bool:
 
 
 def decode(
-    enc: Optional[Encoded],
+    enc: Encoded,
     map_location: Optional[torch.device] = None,
     serializer_name: str = "pickle",
     sender: int = -1,
     fn: str = "decode",
     comm: Optional[Comm] = None,
     max_bytes: Optional[int] = None,
-    incoming: Any = None,
 ) -> Any:
     """Rebuild an object from its encoded parts (see :func:`_rebuild`), with Python's
     cyclic garbage collector paused.
@@ -570,21 +491,20 @@ def decode(
     if collecting:
         gc.disable()
     try:
-        return _rebuild(enc, map_location, serializer_name, sender, fn, comm, max_bytes, incoming)
+        return _rebuild(enc, map_location, serializer_name, sender, fn, comm, max_bytes)
     finally:
         if collecting:
             gc.enable()
 
 
 def _rebuild(
-    enc: Optional[Encoded],
+    enc: Encoded,
     map_location: Optional[torch.device] = None,
     serializer_name: str = "pickle",
     sender: int = -1,
     fn: str = "decode",
     comm: Optional[Comm] = None,
     max_bytes: Optional[int] = None,
-    incoming: Any = None,
 ) -> Any:
     """Rebuild an object from its encoded parts (tensors are views of ``enc``'s buffers).
 
@@ -598,10 +518,6 @@ def _rebuild(
         max_bytes: Under ``safe``, the most the decoded object may allocate; ``None``:
             the process's setting (:func:`~distkit.dist.set_serializer`), else
             ``_safe.EXPANSION`` times the bytes received.
-        incoming: A streamed object, instead of ``enc``: a file of its pickle stream
-            (``read``, ``readline``), whose ``rest()`` gives what follows it (an encoded
-            part with an empty skeleton) and ``unread()`` how many bytes of the stream
-            are left. Under ``pickle`` the object is unpickled as the stream arrives.
 
     Raises:
         UnsafeObjectError: ``serializer_name="safe"`` and the object needs a global
@@ -612,15 +528,7 @@ def _rebuild(
     safe = serializer_name == "safe"
     where = f" (on rank {comm.rank} of {comm.size})" if comm is not None else ""
     try:
-        if incoming is not None and not safe:
-            return _load_streamed(incoming, map_location)
-        if incoming is not None:
-            skeleton = incoming.read()
-            enc = incoming.rest()
-            parts = _parse(enc, skeleton)
-        else:
-            assert enc is not None
-            parts = _parse(enc)
+        parts = _parse(enc)
         blobs = _Blobs(enc, parts, map_location, safe)
         if not safe:
             stream = io.BytesIO(parts.skeleton)
@@ -671,28 +579,6 @@ def _rebuild(
             f"{where}: {type(exc).__name__}: {exc}",
             sender,
         ) from exc
-
-
-def _load_streamed(incoming: Any, map_location: Optional[torch.device]) -> Any:
-    """Unpickle a streamed object while it arrives; its tensors and out-of-band buffers
-    come after the stream, so the first one needs the rest (``incoming.rest()``)."""
-    got: list[Any] = []
-
-    def blobs() -> Any:
-        if not got:
-            enc = incoming.rest()
-            parts = _parse(enc, b"")
-            got.extend((parts, _Blobs(enc, parts, map_location, False)))
-        return got
-
-    def buffers() -> Any:
-        yield from blobs()[0].buffers
-
-    obj = _Decoder(incoming, buffers(), lambda *args: blobs()[1].reference(*args)).load()
-    left = incoming.unread()
-    if left:
-        raise Refused(f"{left} bytes follow the end of the pickle stream")
-    return obj
 
 
 # -- sizing ------------------------------------------------------------------------
