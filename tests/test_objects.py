@@ -337,3 +337,47 @@ def test_unpickling_pauses_the_garbage_collector_and_restores_it():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def _refused_on_receivers(src):
+    rank = dist.get_rank()
+    if rank != src:
+        raise ValueError(f"rank {rank} refuses this part")
+    return rank
+
+
+class _ReceiverFails:
+    """Pickles on any rank; unpickling it raises on every rank but rank 0."""
+
+    def __reduce__(self):
+        return (_refused_on_receivers, (0,))
+
+
+def _long(n):
+    """A list whose pickle stream is long (``n`` small dicts sharing one list)."""
+    shared = ["shared", 1]
+    return [{"id": i, "score": i / 3, "label": "cat", "shared": shared} for i in range(n)]
+
+
+@ranks(2, 3)
+def test_a_long_object_that_fails_stops_every_rank_and_keeps_them_in_step():
+    rank, size = world()
+    items = _long(50_000)
+    # the source fails deep in a long object: every rank raises, naming the source
+    bad = [*items, threading.Lock()]
+    with pytest.raises(TypeError) as info:
+        dist.broadcast_object(bad if rank == 0 else None)
+    if rank == 0:
+        assert "obj[50000] (lock) cannot be pickled" in str(info.value)
+    else:
+        assert "rank 0 could not send its object: broadcast_object: obj[50000]" in str(info.value)
+    # a receiver fails to unpickle part way: it still takes every message of the call
+    tricky = [*items[:20_000], _ReceiverFails(), *items]
+    if rank == 0:
+        assert dist.broadcast_object(tricky) is tricky
+    else:
+        with pytest.raises(ValueError, match=f"rank {rank} refuses this part"):
+            dist.broadcast_object(None)
+    # the group is still in step: the next collectives pair up as they should
+    assert dist.broadcast_object(items if rank == 1 else None, src=1) == items
+    assert dist.all_gather_object(rank) == list(range(size))
