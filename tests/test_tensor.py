@@ -335,8 +335,9 @@ def test_same_shape_skips_the_shape_round():
         assert calls == ["all_to_all_single"], calls
     with collective_calls() as calls:
         dist.all_to_all([torch.tensor([rank * 10 + d]) for d in range(size)], group=fresh)
-    if dist.is_distributed():  # without the promise: the shapes go too
-        assert calls == ["all_to_all_single", "all_to_all_single"], calls
+    if dist.is_distributed():  # without the promise: the shapes go too, then the data,
+        # of which one rank alone has none to move (its own chunk comes back as passed)
+        assert calls == ["all_to_all_single"] * (2 if size > 1 else 1), calls
     if size > 1:
         with pytest.raises(ValueError, match="data mixes shapes"):
             dist.all_to_all([torch.ones(1)] * (size - 1) + [torch.ones(2)], same_shape=True)
@@ -535,3 +536,38 @@ def test_async_uneven_all_gathers_waited_in_any_order_on_each_rank():
         assert [p.shape[0] for p in got_b] == [2 * r + 50_000 for r in range(size)]
         assert [set(p.tolist()) for p in got_b] == [{200.0 + r} for r in range(size)]
         assert [p.tolist() for p in c] == [[r] for r in range(size)]
+
+
+@ranks(2, 3)
+def test_all_to_all_keeps_this_ranks_own_chunk_out_of_the_collective(monkeypatch):
+    """A rank's own chunk comes back as passed, so it is never copied into the send buffer
+    nor sent to itself: its split is 0 bytes (same shapes) or its header alone (uneven)."""
+    import torch.distributed as td
+
+    from distkit.dist import _uneven
+
+    rank, size = world()
+    splits = []
+    real = td.all_to_all_single
+
+    def spy(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        splits.append((output_split_sizes, input_split_sizes))
+        return real(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+    monkeypatch.setattr(td, "all_to_all_single", spy)
+    monkeypatch.setattr(_uneven.td, "all_to_all_single", spy)
+    chunks = [torch.full((1000,), float(rank * 10 + d)) for d in range(size)]
+    out = dist.all_to_all(chunks, same_shape=True)
+    assert out[rank] is chunks[rank]
+    assert [o[0].item() for o in out] == [s * 10.0 + rank for s in range(size)]
+    assert splits[-1][0][rank] == splits[-1][1][rank] == 0
+    for _ in range(3):  # uneven: the first call learns the sizes, then one round each
+        chunks = [torch.full((1000 + 10 * d,), float(rank * 10 + d)) for d in range(size)]
+        out = dist.all_to_all(chunks)
+        assert out[rank] is chunks[rank]
+        for s in range(size):
+            assert out[s].tolist() == [s * 10.0 + rank] * (1000 + 10 * rank)
+    out_splits, in_splits = splits[-1]
+    head = out_splits[rank]
+    assert head == in_splits[rank] and head < 512, splits  # a header, no data
+    assert all(n >= 4000 + head for r, n in enumerate(out_splits) if r != rank)

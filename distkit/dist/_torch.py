@@ -513,9 +513,12 @@ class TorchBackend(TorchObjects):
             ]
             return _complete([], lambda: out, async_op)
         metas = [(staged[0].dtype, tuple(staged[0].shape))] * size
-        in_numels = [t.numel() for t in staged]
-        out_numels = [_numel(s) for _, s in metas]
-        send = torch.cat([t.reshape(-1) for t in staged]) if size > 1 else staged[0].reshape(-1)
+        # this rank's own chunk comes back as passed: it is neither copied into the send
+        # buffer nor through the collective (at 2 ranks, half of what the call moved)
+        in_numels = [0 if r == rank else t.numel() for r, t in enumerate(staged)]
+        out_numels = [0 if r == rank else _numel(s) for r, (_, s) in enumerate(metas)]
+        others = [t.reshape(-1) for r, t in enumerate(staged) if r != rank]
+        send = torch.cat(others) if len(others) > 1 else (others or [staged[0].reshape(-1)[:0]])[0]
         recv = torch.empty(sum(out_numels), dtype=send.dtype, device=dev)
         work = td.all_to_all_single(
             recv, send, out_numels, in_numels, group=comm.pg, async_op=async_op
