@@ -35,6 +35,22 @@ def test_launch_other_start_methods(method):
     assert distkit.launch(rank_square, 2, start_method=method) == [0, 1]
 
 
+def threads() -> tuple[int, object]:
+    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+def test_launch_gives_each_rank_one_thread_unless_told(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    here = torch.get_num_threads()
+    assert distkit.launch(threads, 2) == [(1, "1")] * 2  # as torchrun: ranks share cores
+    assert distkit.launch(threads, 1) == [(here, None)]  # one rank has the cores to itself
+    # a choice made by the caller stands (torch, already loaded, keeps its pool)
+    assert distkit.launch(threads, 2, env={"OMP_NUM_THREADS": "2"}) == [(here, "2")] * 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # torch reads it at import (capped at the cores)
+    for n, value in distkit.launch(threads, 2, start_method="spawn"):
+        assert value == "3" and (n > 1 or here == 1)
+
+
 def record_pid_then(fail: str, folder: str) -> None:
     rank = dist.get_rank()
     with open(os.path.join(folder, f"pid-{rank}"), "w") as f:

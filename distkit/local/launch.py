@@ -71,6 +71,10 @@ def launch(
     call cleans up, then the process ends by that signal as it would have), and not when
     this process is killed outright (each rank dies with its parent).
 
+    With more than one rank, each runs torch with one intra-op thread, as under
+    ``torchrun``: the ranks share this machine's cores. Set ``OMP_NUM_THREADS`` (here or
+    in ``env``) to choose otherwise.
+
     The default ``timeout`` is 5 minutes. These ranks all run on this machine, where a
     healthy run of this kind takes seconds to minutes and a collective that has waited
     5 minutes is a hang: a rank that caught an error and went on to a collective the
