@@ -224,3 +224,49 @@ def test_uneven_calls_of_narrow_dtypes_differing_across_ranks_fail_on_every_rank
         start = sum(splits[:rank])  # where each rank's rows for this one begin
         expected = [_numbers(s, sum(splits), common)[start : start + n + rank] for s in range(size)]
         _same_bits(got, torch.cat(expected))
+
+
+#: dtypes gloo refuses and torch barely computes with: e8m0 (scales, powers of two only)
+#: converts to float32; float4_e2m1fn_x2 (two values per byte) has no arithmetic at all
+EXOTIC = [getattr(torch, n) for n in ("float8_e8m0fnu", "float4_e2m1fn_x2") if hasattr(torch, n)]
+
+
+def raw(rank: int, dtype: torch.dtype, n: int = 4) -> torch.Tensor:
+    """``n`` values of ``dtype`` that depend on ``rank``, from their bytes."""
+    return ((torch.arange(n) + 13 * rank) % 251).to(torch.uint8).view(dtype)
+
+
+def bits(t: torch.Tensor) -> list[int]:
+    return t.view(torch.uint8).tolist()
+
+
+@ranks(*WORLDS)
+@pytest.mark.parametrize("dtype", EXOTIC, ids=str)
+def test_dtypes_torch_barely_computes_with_still_move(dtype):
+    rank, size = world()
+    t = raw(rank, dtype)
+    for out in (dist.all_gather(t, same_shape=True), dist.all_gather(t)):
+        assert out[rank] is t and [bits(p) for p in out] == [
+            bits(raw(r, dtype)) for r in range(size)
+        ]
+    b = raw(rank, dtype)
+    assert dist.broadcast(b, src=size - 1) is b and bits(b) == bits(raw(size - 1, dtype))
+    for same_shape in (True, False):
+        got = dist.all_to_all(
+            [raw(rank + 3 * d, dtype) for d in range(size)], same_shape=same_shape
+        )
+        assert [bits(p) for p in got] == [bits(raw(s + 3 * rank, dtype)) for s in range(size)]
+    rows = dist.all_to_all_single(raw(rank, dtype, 2 * size))  # an even split
+    assert bits(rows) == [
+        b for s in range(size) for b in bits(raw(s, dtype, 2 * size))[2 * rank : 2 * rank + 2]
+    ]
+    scattered = dist.scatter([raw(r, dtype) for r in range(size)] if rank == 0 else None)
+    assert bits(scattered) == bits(raw(rank, dtype))
+    if dtype == getattr(torch, "float8_e8m0fnu", None):  # reduced in float32, rounded once
+        powers = [torch.tensor([2.0**r, 2.0 ** (size - r)]) for r in range(size)]
+        same(dist.all_reduce(powers[rank].to(dtype), op="max"), torch.stack(powers).amax(0), dtype)
+        same(dist.all_reduce(powers[rank].to(dtype)), sum(powers), dtype)
+    elif dist.is_distributed():  # float4: nothing to add with, on any rank
+        with pytest.raises(TypeError, match="float4_e2m1fn_x2 tensors cannot be reduced"):
+            dist.all_reduce(raw(rank, dtype))
+        assert dist.all_gather_object(rank) == list(range(size))  # nobody was left waiting

@@ -449,8 +449,8 @@ def test_all_to_all_single_dtype_or_row_shape_mismatch_fails_on_every_rank():
         message = f"all_to_all_single: {what} (on rank {rank} of {size}). {fix}"
         return pytest.raises(exc, match=re.escape(message))
 
-    def rows_differ(shapes):
-        listing = ", ".join(f"rank {r}: {shapes[r % 2]}" for r in range(size))
+    def rows_differ(shapes, tail=""):
+        listing = ", ".join(f"rank {r}: {shapes[r % 2]}" for r in range(size)) + tail
         return fails(
             ValueError,
             f"ranks sent rows of different shapes ({listing})",
@@ -468,8 +468,9 @@ def test_all_to_all_single_dtype_or_row_shape_mismatch_fails_on_every_rank():
         with rows_differ(["(4,)", "(2, 2)"]):  # as many bytes per row
             row = (2, 2) if rank % 2 else (4,)
             dist.all_to_all_single(data(row=row), input_split_sizes=splits, group=group)
-        # rows that differ only beyond the dims a header holds are named by their first
-        with rows_differ(["(1, 1, 1, 1, ...) (6 dims)"] * 2):
+        # rows that differ only beyond the dims a header holds are named by their first,
+        # and the message says where they differ
+        with rows_differ(["(1, 1, 1, 1, ...) (6 dims)"] * 2, "; they differ after dim 4 of a row"):
             row = (1, 1, 1, 1, 2, 3) if rank % 2 else (1, 1, 1, 1, 3, 2)
             dist.all_to_all_single(data(row=row), input_split_sizes=splits, group=group)
         # nothing was half-sent: the group still works
@@ -571,3 +572,34 @@ def test_all_to_all_keeps_this_ranks_own_chunk_out_of_the_collective(monkeypatch
     head = out_splits[rank]
     assert head == in_splits[rank] and head < 512, splits  # a header, no data
     assert all(n >= 4000 + head for r, n in enumerate(out_splits) if r != rank)
+
+
+@ranks(*WORLDS)
+def test_one_element_tensors_of_any_stride_move(monkeypatch):
+    """torch calls a tensor of at most one element contiguous whatever its stride
+    (``x[:, 0]`` of a batch of 1); its bytes are still read with stride 1."""
+    rank, size = world()
+
+    def odd(r, n=1):  # shape (n,), stride (4,): column 1 of an (n, 4) matrix
+        return (torch.arange(4.0 * n).reshape(n, 4) + 100 * r)[:, 1]
+
+    def want(r, n=1):
+        return [100.0 * r + 1 + 4 * i for i in range(n)]
+
+    assert odd(rank).stride() == (4,) and odd(rank).is_contiguous()
+    assert [o.tolist() for o in dist.all_gather(odd(rank))] == [want(r) for r in range(size)]
+    mixed = odd(rank) if rank % 2 else odd(rank, 3)[:0]  # one element, or none
+    assert [o.tolist() for o in dist.all_gather(mixed)] == [
+        want(r) if r % 2 else [] for r in range(size)
+    ]
+    got = dist.all_to_all([odd(rank + 10 * d) for d in range(size)])
+    assert [g.tolist() for g in got] == [want(s + 10 * rank) for s in range(size)]
+    g = dist.gather(odd(rank), dst=0)
+    assert [o.tolist() for o in g] == ([want(r) for r in range(size)] if rank == 0 else [])
+    splits = [1 if d == 0 else 0 for d in range(size)]
+    rows = dist.all_to_all_single(odd(rank), input_split_sizes=splits)
+    assert rows.tolist() == ([x for r in range(size) for x in want(r)] if rank == 0 else [])
+    expanded = torch.tensor(5.0 + rank).expand(1)  # stride (0,)
+    assert [o.tolist() for o in dist.all_gather(expanded)] == [[5.0 + r] for r in range(size)]
+    obj = dist.all_gather_object({"t": odd(rank)})
+    assert [o["t"].tolist() for o in obj] == [want(r) for r in range(size)]

@@ -12,6 +12,7 @@ int16, uint16             int32
 uint32                    int64
 uint64                    its own bits as int64 (max/min on an order-keeping flip)
 float8 (every variant)    float32, rounded to float8 once at the end
+float4_e2m1fn_x2          not at all: torch has no arithmetic for it (TypeError)
 ========================  =====================================================
 
 Results come back in the caller's dtype, with the caller's aliasing (in-place results
@@ -29,11 +30,12 @@ as bytes, both would be uint8).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, NoReturn, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor
 
+from distkit.dist._args import fail
 from distkit.dist._ops import Op
 from distkit.dist._torch import TorchBackend, _infers_splits
 from distkit.dist.handle import Handle
@@ -43,9 +45,18 @@ U = TypeVar("U")
 
 _FLOAT8 = [
     getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    for name in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
     if hasattr(torch, name)
 ]
+#: dtypes with no arithmetic in torch (two float4 values per byte): they move as bytes,
+#: and a reduction of them raises a TypeError that says so
+_PACKED = [getattr(torch, name) for name in ("float4_e2m1fn_x2",) if hasattr(torch, name)]
 
 #: dtype -> the dtype it is reduced in (uint64 is special-cased: same bits as int64)
 WIDER: dict[torch.dtype, torch.dtype] = {
@@ -55,6 +66,9 @@ WIDER: dict[torch.dtype, torch.dtype] = {
     torch.uint64: torch.int64,
     **{dtype: torch.float32 for dtype in _FLOAT8},
 }
+
+#: dtypes gloo refuses, which the calls that only move data move as their bytes
+AS_BYTES = frozenset([*WIDER, *_PACKED])
 
 _SIGN = torch.iinfo(torch.int64).min  # xor with it maps unsigned order onto signed order
 
@@ -73,6 +87,17 @@ def _as_bytes(t: Tensor) -> Tensor:
 
 def _from_bytes(b: Tensor, dtype: torch.dtype) -> Tensor:
     return b.view(dtype).squeeze(-1)
+
+
+def _packed(fn: str, comm: Any, dtype: torch.dtype) -> NoReturn:
+    fail(
+        TypeError,
+        fn,
+        comm,
+        f"{dtype} tensors cannot be reduced: torch has no arithmetic for them",
+        "Reduce them in a dtype torch computes with, or move them with a collective that "
+        "does not reduce (broadcast, all_gather, all_to_all)",
+    )
 
 
 def _wide(data: Tensor, op: Op) -> tuple[Tensor, bool]:
@@ -100,6 +125,8 @@ class GlooBackend(TorchBackend):
 
     def all_reduce(self, comm: Any, data: Tensor, op: Op, async_op: bool) -> Any:
         if data.dtype not in WIDER:
+            if data.dtype in _PACKED:
+                _packed("all_reduce", comm, data.dtype)
             return super().all_reduce(comm, data, op, async_op)
         wide, flipped = _wide(data, op)
 
@@ -111,6 +138,8 @@ class GlooBackend(TorchBackend):
 
     def reduce(self, comm: Any, data: Tensor, dst: int, op: Op, async_op: bool) -> Any:
         if data.dtype not in WIDER:
+            if data.dtype in _PACKED:
+                _packed("reduce", comm, data.dtype)
             return super().reduce(comm, data, dst, op, async_op)
         wide, flipped = _wide(data, op)
 
@@ -124,6 +153,8 @@ class GlooBackend(TorchBackend):
     def reduce_scatter(self, comm: Any, data: Any, op: Op, async_op: bool) -> Any:
         first = data if isinstance(data, Tensor) else data[0]
         if first.dtype not in WIDER:
+            if first.dtype in _PACKED:
+                _packed("reduce_scatter", comm, first.dtype)
             return super().reduce_scatter(comm, data, op, async_op)
         dtype = first.dtype
         wide: Union[Tensor, list[Tensor]]
@@ -140,7 +171,7 @@ class GlooBackend(TorchBackend):
     # -- data movement ------------------------------------------------------------------
 
     def broadcast(self, comm: Any, data: Tensor, src: int, async_op: bool) -> Any:
-        if data.dtype not in WIDER:
+        if data.dtype not in AS_BYTES:
             return super().broadcast(comm, data, src, async_op)
         carrier = _as_bytes(data)
 
@@ -152,7 +183,7 @@ class GlooBackend(TorchBackend):
         return _then(super().broadcast(comm, carrier, src, async_op), back)
 
     def all_gather(self, comm: Any, data: Tensor, async_op: bool, same_shape: bool) -> Any:
-        if not same_shape or data.dtype not in WIDER:  # uneven: bytes and real dtypes
+        if not same_shape or data.dtype not in AS_BYTES:  # uneven: bytes and real dtypes
             return super().all_gather(comm, data, async_op, same_shape)
         return _then(
             super().all_gather(comm, _as_bytes(data), async_op, same_shape),
@@ -160,7 +191,7 @@ class GlooBackend(TorchBackend):
         )
 
     def all_to_all(self, comm: Any, data: list[Tensor], async_op: bool, same_shape: bool) -> Any:
-        if not same_shape or data[0].dtype not in WIDER:  # uneven: bytes and real dtypes
+        if not same_shape or data[0].dtype not in AS_BYTES:  # uneven: bytes, real dtypes
             return super().all_to_all(comm, data, async_op, same_shape)
         mine = data[comm.rank]
         return _then(
@@ -176,7 +207,7 @@ class GlooBackend(TorchBackend):
         input_split_sizes: Optional[list[int]],
         async_op: bool,
     ) -> Any:
-        if data.dtype not in WIDER or _infers_splits(output_split_sizes, input_split_sizes):
+        if data.dtype not in AS_BYTES or _infers_splits(output_split_sizes, input_split_sizes):
             return super().all_to_all_single(
                 comm, data, output_split_sizes, input_split_sizes, async_op
             )

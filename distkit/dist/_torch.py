@@ -211,7 +211,10 @@ def _same_rows(fn: str, comm: Comm, rows: list[list[int]]) -> None:
         return
     _same_dtype(fn, comm, [_DTYPES[row[1]] for row in rows])
     if any(row[2:] != rows[0][2:] for row in rows):
-        listing = ", ".join(f"rank {r}: {_show_rows(row)}" for r, row in enumerate(rows))
+        shown = [_show_rows(row) for row in rows]
+        listing = ", ".join(f"rank {r}: {shape}" for r, shape in enumerate(shown))
+        if len(set(shown)) == 1:  # the headers carry the first ROW_DIMS dims only
+            listing += f"; they differ after dim {ROW_DIMS} of a row"
         fail(
             ValueError,
             fn,
@@ -270,8 +273,16 @@ def _metas(
 
 
 def _bytes(t: Tensor) -> Tensor:
-    """The bytes of a contiguous tensor, as a 1-D uint8 view."""
-    return t.reshape(-1).view(torch.uint8)
+    """The bytes of a contiguous tensor, as a 1-D uint8 view.
+
+    torch calls a tensor of at most one element contiguous whatever its stride (``x[:, 0]``
+    of a batch of 1, ``torch.tensor(5.).expand(1)``), and ``view(torch.uint8)`` refuses a
+    stride other than 1: such a tensor is viewed with stride 1 first (it has at most one
+    element to read)."""
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 def _as(part: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:

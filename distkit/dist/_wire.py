@@ -81,7 +81,10 @@ def flat_bytes(t: Tensor) -> Tensor:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    flat = t.contiguous().reshape(-1)
+    if flat.stride(0) != 1:  # at most one element, of any stride (see _torch._bytes)
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 def bytes_view(t: Tensor) -> memoryview:

@@ -175,12 +175,14 @@ def all_gather(
     Collective: every rank in ``group`` must call this.
     Single process: returns ``[data]``.
 
-    gloo rejects uneven shapes natively: distkit exchanges shapes and dtypes first (one
-    small round), then moves the data. On CPU backends tensors of 256 KiB or more go by
-    one exact-size broadcast per rank (3-4x faster than gloo's all_gather, and never
-    padded); smaller or equal-shaped tensors go in one all_gather. Every rank must pass
-    the same dtype; a mismatch raises on every rank. When every rank is known to pass the
-    same shape, ``same_shape=True`` skips the shape round (what raw torch requires).
+    gloo rejects uneven shapes natively: each rank's shape and dtype travel in a small
+    header in front of its data, in the same collective, at sizes predicted from the
+    group's last calls (the first call on a group, or data larger than predicted, takes a
+    second round: see :mod:`distkit.dist._uneven`). On CPU backends tensors of 256 KiB or
+    more go by one exact-size broadcast per rank (3-4x faster than gloo's all_gather, and
+    never padded); smaller ones go in one all_gather. Every rank must pass the same dtype;
+    a mismatch raises on every rank. When every rank is known to pass the same shape,
+    ``same_shape=True`` skips the headers (what raw torch requires).
 
     Args:
         data: This rank's tensor, of any shape.
@@ -190,7 +192,7 @@ def all_gather(
             Without ``same_shape=True`` the call completes before it returns (its size
             round and size history must not depend on when each rank waits).
         same_shape: Promise that every rank passes the same shape and dtype; saves the
-            shape round. Breaking the promise is an error of the backend (gloo: "invalid
+            headers. Breaking the promise is an error of the backend (gloo: "invalid
             tensor size"), or silent corruption on some backends.
         grad: Differentiable (e.g. for contrastive losses): gradients flow back from
             every entry to the rank that sent it. The loss differentiated is the sum of
@@ -576,11 +578,14 @@ def all_to_all(
     Single process: returns ``[data[0]]``.
 
     Tensors may have any shapes, different per destination and per rank (the uneven
-    case); distkit sends the shapes first (one small round), then all data in one
-    ``all_to_all_single``. When every tensor on every rank has one shape, pass
-    ``same_shape=True`` to skip that round (torch's own all_to_all requires it); when the
-    sizes differ but each rank knows what it will receive, use :func:`all_to_all_single`
-    with ``output_split_sizes``.
+    case): each one's shape and dtype travel in a small header in front of its data, in
+    one ``all_to_all_single``, at sizes predicted from the group's last calls (the first
+    call on a group, or data larger than predicted, takes a second round: see
+    :mod:`distkit.dist._uneven`). This rank's own tensor never travels: it is returned as
+    passed. When every tensor on every rank has one shape, pass ``same_shape=True`` to
+    skip the headers (torch's own all_to_all requires it); when the sizes differ but each
+    rank knows what it will receive, use :func:`all_to_all_single` with
+    ``output_split_sizes``.
 
     Args:
         data: One tensor per rank of ``group``, all of one dtype; ``data[r]`` goes to rank r.
@@ -589,8 +594,11 @@ def all_to_all(
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
             Without ``same_shape=True`` the call completes before it returns (its size
             round and size history must not depend on when each rank waits).
-        same_shape: Promise that every tensor of every rank has one shape; saves the shape
-            round. The shapes of this rank's own list are checked.
+        same_shape: Promise that every tensor of every rank has one shape and dtype; saves
+            the headers. The shapes of this rank's own list are checked; other ranks'
+            are not: breaking the promise across ranks is an error of the backend (gloo
+            aborts on a size mismatch), or silent corruption (another dtype of the same
+            element size, or another shape of as many elements, is read as this rank's).
 
     Returns:
         One tensor per rank: element ``r`` came from rank ``r``. The entry at this rank's
