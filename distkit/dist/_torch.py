@@ -20,7 +20,7 @@ import torch.distributed as td
 from torch import Tensor
 
 from distkit._compat import all_gather_single, reduce_scatter_single
-from distkit.dist import _args, _uneven
+from distkit.dist import _args, _uneven, _wire
 from distkit.dist._args import fail
 from distkit.dist._backend import Result
 from distkit.dist._ops import mean_of
@@ -272,17 +272,7 @@ def _metas(
     return metas
 
 
-def _bytes(t: Tensor) -> Tensor:
-    """The bytes of a contiguous tensor, as a 1-D uint8 view.
-
-    torch calls a tensor of at most one element contiguous whatever its stride (``x[:, 0]``
-    of a batch of 1, ``torch.tensor(5.).expand(1)``), and ``view(torch.uint8)`` refuses a
-    stride other than 1: such a tensor is viewed with stride 1 first (it has at most one
-    element to read)."""
-    flat = t.reshape(-1)
-    if flat.stride(0) != 1:
-        flat = flat.as_strided((flat.numel(),), (1,))
-    return flat.view(torch.uint8)
+_bytes = _wire.uint8_view  # the bytes of a contiguous tensor, as a 1-D uint8 view
 
 
 def _as(part: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
@@ -529,7 +519,10 @@ class TorchBackend(TorchObjects):
         in_numels = [0 if r == rank else t.numel() for r, t in enumerate(staged)]
         out_numels = [0 if r == rank else _numel(s) for r, (_, s) in enumerate(metas)]
         others = [t.reshape(-1) for r, t in enumerate(staged) if r != rank]
-        send = torch.cat(others) if len(others) > 1 else (others or [staged[0].reshape(-1)[:0]])[0]
+        if len(others) == 1:  # 2 ranks: the peer's chunk itself, no copy
+            send = others[0]
+        else:  # a group of one rank sends nothing
+            send = torch.cat(others) if others else staged[0].reshape(-1)[:0]
         recv = torch.empty(sum(out_numels), dtype=send.dtype, device=dev)
         work = td.all_to_all_single(
             recv, send, out_numels, in_numels, group=comm.pg, async_op=async_op

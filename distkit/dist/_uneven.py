@@ -256,16 +256,15 @@ def all_to_all(
     """
     size, rank = comm.size, comm.rank
     dev = chunks[0].device
+    # this rank's own chunk never travels (it comes back as passed): it is sent as empty,
+    # so it counts as 0 bytes for capacities, overflows and the history; its header goes
+    mine = chunks[rank]
+    chunks = [*chunks[:rank], mine[:0], *chunks[rank + 1 :]]
     past = history(comm, kind)  # per call: [sent to d..., received from s...]
     caps = capacities(past, 2 * size)
     send_caps, recv_caps = caps[:size], caps[size:]
-    send_caps[rank] = recv_caps[rank] = 0
     sent = [c.numel() for c in chunks]
-    # this rank's own chunk never travels (it comes back as passed): only its header does,
-    # and its size counts as 0 for capacities, overflows and the history
-    moved = sent.copy()
-    moved[rank] = 0
-    overflow = any(n > cap for n, cap in zip(moved, send_caps))
+    overflow = any(n > cap for n, cap in zip(sent, send_caps))
     header_rows = [_aligned([n, int(overflow), *row]) for n, row in zip(sent, rows)]
     width = len(rows[0]) if rows else 0
     if not past:  # the group's first call of this kind: the headers alone, then the data
@@ -284,9 +283,8 @@ def all_to_all(
         out_splits = [head + cap for cap in recv_caps]
         in_splits = [head + cap for cap in send_caps]
         heads = _encode(header_rows, fmt, dev)
-        outgoing = [c if d != rank else c[:0] for d, c in enumerate(chunks)]
         send = torch.cat(
-            [piece for d in range(size) for piece in _frame(heads[d], outgoing[d], send_caps[d])]
+            [piece for d in range(size) for piece in _frame(heads[d], chunks[d], send_caps[d])]
         )
         first = torch.empty(sum(out_splits), dtype=torch.uint8, device=dev)
         td.all_to_all_single(first, send, out_splits, in_splits, group=comm.pg)
@@ -297,21 +295,15 @@ def all_to_all(
     if check is not None:
         check(theirs)
     received = [row[0] for row in got]
-    arrived = received.copy()
-    arrived[rank] = 0
     rests: list[Tensor] = [first[:0]] * size
     if any(row[1] for row in got):  # some rank sent more than its capacity somewhere
-        out_rest = [max(0, n - cap) for n, cap in zip(arrived, recv_caps)]
-        in_rest = [max(0, n - cap) for n, cap in zip(moved, send_caps)]
-        tails = [
-            c[cap:] if d != rank else c[:0] for d, (c, cap) in enumerate(zip(chunks, send_caps))
-        ]
+        out_rest = [max(0, n - cap) for n, cap in zip(received, recv_caps)]
+        in_rest = [max(0, n - cap) for n, cap in zip(sent, send_caps)]
+        tails = [c[cap:] for c, cap in zip(chunks, send_caps)]
         send_rest = torch.cat(tails) if sum(in_rest) else first[:0]
         rest = torch.empty(sum(out_rest), dtype=torch.uint8, device=dev)
         td.all_to_all_single(rest, send_rest, out_rest, in_rest, group=comm.pg)
         rests = list(rest.split(out_rest))
-    past.append(moved + arrived)
-    parts = [
-        chunks[rank] if s == rank else _join(firsts[s], rests[s], received[s]) for s in range(size)
-    ]
+    past.append(sent + received)
+    parts = [mine if s == rank else _join(firsts[s], rests[s], received[s]) for s in range(size)]
     return parts, theirs

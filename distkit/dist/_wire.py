@@ -81,8 +81,18 @@ def flat_bytes(t: Tensor) -> Tensor:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    flat = t.contiguous().reshape(-1)
-    if flat.stride(0) != 1:  # at most one element, of any stride (see _torch._bytes)
+    return uint8_view(t.contiguous())
+
+
+def uint8_view(t: Tensor) -> Tensor:
+    """The bytes of a contiguous tensor, as a 1-D uint8 view.
+
+    torch calls a tensor of at most one element contiguous whatever its stride (``x[:, 0]``
+    of a batch of 1, ``torch.tensor(5.).expand(1)``), and ``view(torch.uint8)`` refuses a
+    stride other than 1: such a tensor is viewed with stride 1 first (it has at most one
+    element to read)."""
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:
         flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)
 
