@@ -126,6 +126,25 @@ def default_store() -> Any:
     return c10d._get_default_store()
 
 
+def root_store(store: Any) -> Any:
+    """``store`` without the ``PrefixStore`` layers torch wraps around it: the store a
+    launcher hosts, where it and the ranks can meet under the same key names."""
+    while isinstance(store, td.PrefixStore):
+        inner = getattr(store, "underlying_store", None)
+        if inner is None:  # torch without the accessor: stay in the prefixed space
+            break
+        store = inner
+    return store
+
+
+def group_name(pg: Any) -> str:
+    """The name torch gave ``pg``: the same on every rank ("0" for the default group)."""
+    name = getattr(pg, "group_name", None)
+    if isinstance(name, str) and name:
+        return name
+    return str(c10d._world.pg_names.get(pg, ""))
+
+
 def backend_name(pg: Any) -> str:
     """Lower-case backend name of ``pg``: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``."""
     return str(td.get_backend(pg)).lower()

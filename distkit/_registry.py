@@ -13,12 +13,21 @@ torch's own registry object, read directly (18 ns, against 146 ns for
 (``_registry.current``), never bind it to a name of their own, so they see the switch;
 the compiled shortcuts (:mod:`distkit.dist._shortcut`) hold it in a closure cell
 registered with :func:`watch`, which the switch updates.
+
+A process that a launcher started as one rank of several (torchrun, srun, mpirun) but
+that never created a process group would run every collective as a world of one rank:
+each rank would silently train alone. So the shortcuts of collectives read the question
+through a *guard* instead (:func:`guard`): until the first collective it is an object that
+decides, once, from the environment; then it is :data:`current` itself (no launcher, or
+``DISTKIT_INDEPENDENT=1``: nothing more to pay) or a trap that sends every collective
+without a process group to :func:`distkit.dist._comm.resolve`, which raises.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Any
+from typing import Any, Optional
 
 _C10D = "torch.distributed.distributed_c10d"
 
@@ -36,6 +45,89 @@ class _BeforeTorch:
 
 
 _cells: list[Any] = []  # closure cells holding ``current`` (see watch)
+_guarded: list[Any] = []  # the cells of collectives, holding the guard (see guard)
+
+#: Launched without a process group: what the launcher set (a phrase), ``""`` when
+#: collectives may run as a world of one rank, ``None`` until the first one decides.
+alone: Optional[str] = None
+
+#: What a collective's shortcut reads as the default group when there is none but a
+#: launcher started this process as one of several ranks: not ``None``, so the call
+#: leaves the shortcut for the checked path, which raises.
+LAUNCHED_WITHOUT_GROUP = object()
+
+
+class _Undecided:
+    """In the cells of collectives until the first collective without a group."""
+
+    __slots__ = ()
+
+    @property
+    def _default_pg(self) -> Any:
+        pg = current._default_pg
+        if pg is not None:
+            return pg
+        return None if not decide() else LAUNCHED_WITHOUT_GROUP
+
+
+class _Trap:
+    """In the cells of collectives while a launched process has no group."""
+
+    __slots__ = ()
+
+    @property
+    def _default_pg(self) -> Any:
+        pg = current._default_pg
+        return LAUNCHED_WITHOUT_GROUP if pg is None else pg
+
+
+_UNDECIDED = _Undecided()
+_TRAP = _Trap()
+
+
+def guard() -> Any:
+    """What the collectives' cells hold now (:data:`current` once nothing is trapped)."""
+    if alone is None:
+        return _UNDECIDED
+    return _TRAP if alone else current
+
+
+def decide() -> str:
+    """Decide, once, whether collectives without a process group are an error here.
+
+    Returns:
+        The launcher phrase when they are (see :func:`distkit.utils.environ.launched_as`),
+        else ``""``.
+    """
+    global alone
+    if alone is None:
+        from distkit.utils.environ import launched_as  # torch-free
+
+        independent = os.environ.get("DISTKIT_INDEPENDENT", "").strip().lower()
+        allowed = independent in ("1", "true", "yes", "on")
+        alone = "" if allowed else (launched_as() or "")
+        _retarget()
+    return alone
+
+
+def allow_alone() -> None:
+    """Let collectives run as a world of one rank, launcher or not (``init_dist("none")``)."""
+    global alone
+    alone = ""
+    _retarget()
+
+
+def forget_alone() -> None:
+    """Forget the decision (tests), so that the next collective decides again."""
+    global alone
+    alone = None
+    _retarget()
+
+
+def _retarget() -> None:
+    target = guard()
+    for cell in _guarded:
+        cell.cell_contents = target
 
 
 def bind() -> Any:
@@ -47,17 +139,23 @@ def bind() -> Any:
     current = torch_registry()
     for cell in _cells:
         cell.cell_contents = current
+    _retarget()
     return current
 
 
-def watch(cell: Any) -> None:
+def watch(cell: Any, collective: bool = False) -> None:
     """Keep the closure ``cell`` holding :data:`current`, now and after the switch.
 
     One attribute lookup fewer per call than ``_registry.current`` (a module attribute),
-    for code where 20 ns count: the single-process shortcuts.
+    for code where 20 ns count: the single-process shortcuts. A ``collective``'s cell
+    holds the :func:`guard` instead, which is :data:`current` itself once decided.
     """
-    cell.cell_contents = current
-    _cells.append(cell)
+    if collective:
+        cell.cell_contents = guard()
+        _guarded.append(cell)
+    else:
+        cell.cell_contents = current
+        _cells.append(cell)
 
 
 #: ``current._default_pg`` is the default process group, or ``None``.

@@ -10,8 +10,19 @@ import os
 from typing import Any
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def _flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value in ("1", "true", "yes", "on")
+
+
+def _seconds(name: str, default: float) -> float:
+    value = os.environ.get(name, "").strip()
+    try:
+        return max(float(value), 0.0) if value else default
+    except ValueError:
+        return default
 
 
 _DEFAULTS: dict[str, Any] = {
@@ -24,6 +35,12 @@ _DEFAULTS: dict[str, Any] = {
     "safe_max_bytes": None,
     # cross-rank checks before every collective (DISTKIT_DEBUG=1)
     "debug": _flag("DISTKIT_DEBUG"),
+    # the default cross-rank check of the first calls at each call site and a sample of
+    # the rest (DISTKIT_CHECK=0 turns it off; see distkit.dist._check)
+    "check": _flag("DISTKIT_CHECK", default=True),
+    # seconds a rank waits in one collective before distkit reports who has not arrived
+    # and where every rank is (DISTKIT_STUCK_AFTER; 0 turns the report off)
+    "stuck_after": _seconds("DISTKIT_STUCK_AFTER", 60.0),
     # seconds a timed-out rank waits for the others to post where they are
     "hang_grace": 5.0,
 }

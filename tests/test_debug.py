@@ -111,7 +111,7 @@ def test_timeout_names_the_ranks_that_never_arrived():
         with pytest.raises(dist.CollectiveTimeoutError) as info:
             dist.all_reduce(torch.ones(1), group=first)
         text = str(info.value)
-        assert "all_reduce timed out on rank 0 of 2 of group [0, 1]" in text
+        assert "all_reduce timed out on rank 0 (rank 0 of group [0, 1])" in text
         assert "Rank(s) 1 never arrived at this call" in text
         assert (
             "rank 1 is waiting in all_reduce (its call #1 on group [1, 2]) at tests/test_debug.py"
@@ -123,8 +123,9 @@ def test_timeout_names_the_ranks_that_never_arrived():
         with pytest.raises(dist.CollectiveTimeoutError) as info:
             dist.all_reduce(torch.ones(1), group=second)
         text = str(info.value)
-        assert "all_reduce timed out on rank 0 of 2 of group [1, 2]" in text
-        assert "rank 1 posted nothing within 2 s: it is not waiting in a distkit collective" in text
+        # ranks are named by their global rank, their place in the group beside it
+        assert "all_reduce timed out on rank 1 (rank 0 of group [1, 2])" in text
+        assert "rank 2 posted nothing within 2 s: it is not waiting in a distkit collective" in text
     else:  # rank 2 never comes
         time.sleep(5)
     dist.barrier()  # the default group was never involved: it still works
@@ -191,7 +192,7 @@ def short_world():
 def test_subgroups_take_the_worlds_timeout_and_name_where_ranks_wait(short_world):
     texts = short_world.run(_hang_on_subgroups)
     assert "rank 1 is waiting in all_reduce (its call #1 on group [1, 2])" in texts[0]
-    assert "rank 1 posted nothing" in texts[1]  # rank 2, group rank 1 of [1, 2], slept
+    assert "rank 2 posted nothing" in texts[1]  # global rank 2 (rank 1 of [1, 2]) slept
     assert all("Connection closed" not in t for t in texts[:2])
 
 

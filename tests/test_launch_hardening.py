@@ -417,8 +417,11 @@ def test_cli_shows_a_rank_traceback_once_from_the_script_on(tmp_path):
     code, _, err = finish(launch_cli(tmp_path, mark, FAILING, "-n", "2"))
     assert code == 1
     assert err.count("Traceback (most recent call last)") == 1, err
-    assert err.count("ValueError: rank one is unhappy") == 1, err
+    assert err.count('raise ValueError("rank one is unhappy")') == 1, err
+    assert err.count("\nValueError: rank one is unhappy") == 1, err
     assert "runpy" not in err and "distkit/local/script.py" not in err, err
+    # rank 0, left waiting, names rank 1 and what it raised (once, in one line)
+    assert "RankGoneError: all_reduce: rank 1 exited (code 1) with ValueError: rank one" in err
 
 
 # -- the variables torchrun's agent sets ----------------------------------------------------------

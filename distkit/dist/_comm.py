@@ -34,9 +34,11 @@ from distkit._compat import (
     c10d,
     disable,
     get_process_group_ranks,
+    group_name,
     is_compiling,
     is_registered,
 )
+from distkit.dist import _watchdog
 from distkit.dist._args import fail
 from distkit.dist._gloo import GLOO
 from distkit.dist._single import SINGLE
@@ -75,13 +77,20 @@ class _GroupFacts:
 
     __slots__ = (
         "backend",
+        "broken",
+        "call",
+        "checking",
         "cpu_home",
+        "failed",
+        "gid",
         "histories",
         "impl",
+        "last_check",
         "rank",
         "ranks",
         "ref",
         "seq",
+        "sites",
         "size",
         "thread",
         "types",
@@ -91,6 +100,7 @@ class _GroupFacts:
         self.ref = weakref.ref(pg, _forget)
         self.rank: int = pg.rank()
         self.size: int = pg.size()
+        self.gid: str = group_name(pg)  # the same on every rank
         self.backend: str = backend_name(pg)
         self.types: list[str] = backend_device_types(backend_config(pg))
         # gloo-like groups stage CPU tensors on the CPU: the common case, checked first
@@ -101,6 +111,18 @@ class _GroupFacts:
         self.seq = 0  # collectives this process entered on the group (hang reports)
         self.thread = 0  # ident of the thread in a collective on it (0: none)
         self.histories: dict[str, deque[list[int]]] = {}  # sizes of recent calls (_uneven)
+        # what the watchdog reads (see _watchdog): the collective the thread is in, as
+        # (public name, backend method, its parameter names, its arguments) ...
+        self.call: Optional[tuple[str, str, Sequence[str], tuple]] = None
+        self.checking = False  # ... whether it is in that call's default check ...
+        self.failed: Optional[tuple[int, BaseException]] = None  # ... what it found there
+        self.sites: dict[tuple[Any, int], int] = {}  # calls seen per call site (_check)
+        self.last_check: Optional[str] = None  # store key of the last default check
+        # why the group cannot be used any more (a collective on it timed out, or a rank
+        # went away: its ranks are out of step), or None
+        self.broken: Optional[str] = None
+        if self.size > 1:
+            _watchdog.ensure(_FACTS)
 
 
 # Keyed by id and holding the group only weakly: distkit never keeps a process group
@@ -110,6 +132,11 @@ class _GroupFacts:
 # holding one reference past destroy made 12 of 20 four-rank torchrun runs on this
 # project's machine end that way. An entry goes away with its group.
 _FACTS: dict[int, _GroupFacts] = {}
+
+
+def broken_groups() -> list[str]:
+    """Why each group that cannot be used any more is broken (empty: none is)."""
+    return [f"group {f.gid}: {f.broken}" for f in list(_FACTS.values()) if f.broken]
 
 
 def _forget(ref: weakref.ref) -> None:
@@ -175,6 +202,16 @@ class Comm:
         facts = self._facts
         if facts is None:
             return 0
+        if facts.broken is not None:
+            fail(
+                RuntimeError,
+                fn,
+                self,
+                f"this group cannot be used any more: {facts.broken}, and its ranks are "
+                "out of step since",
+                "Start a new world (dist.destroy_dist(), then dist.init_dist()), or use "
+                "another group",
+            )
         me = threading.get_ident()
         busy = facts.thread
         other = _alive_thread(busy) if busy and busy != me else None
@@ -417,20 +454,30 @@ def _mesh_group(group: Any, fn: str, world: Any) -> Optional[ProcessGroup]:
     return mesh.get_group(dim)
 
 
-def resolve(group: Any, fn: str) -> Comm:
+def resolve(group: Any, fn: str, collective: bool = True) -> Comm:
     """Resolve a ``group`` argument (see :data:`GroupLike`) for the collective ``fn``.
 
     While ``torch.compile`` traces, the result is a :class:`TracedComm` whose backend is
     :data:`~distkit.dist._traced.TRACED` (functional collectives, no bookkeeping).
 
+    Args:
+        group: The caller's ``group`` argument.
+        fn: The public function, for messages.
+        collective: ``False`` for queries (``get_rank(group)``), which answer for a world
+            of one rank even in a launched process that has no process group.
+
     Raises:
         TypeError: ``group`` is not one of the forms of :data:`GroupLike`, or is a mesh
             of more than one dimension.
         ValueError: The group belongs to a destroyed world, or this rank is not in it.
+        RuntimeError: A collective without a process group in a process that a launcher
+            started as one of several ranks (see :func:`_launched_alone`).
     """
     world = _registry.current._default_pg
     if group is None:
         if world is None:
+            if collective and _registry.alone != "":
+                _launched_alone(fn)
             return NO_GROUP
         return _traced_comm(world, None) if is_compiling() else _comm_of(world)
     here = NO_GROUP if world is None else None
@@ -457,6 +504,8 @@ def resolve(group: Any, fn: str) -> Comm:
                     what = str(exc).removeprefix("get_group: ")
                     fail(type(exc), fn, here or _comm_of(world), f"group={list(group)!r}: {what}")
                 if got is None:  # single process, group == [0]
+                    if collective and _registry.alone != "":
+                        _launched_alone(fn)
                     return NO_GROUP
                 if not isinstance(got, ProcessGroup):
                     _not_member(f"group {list(group)}", fn)
@@ -482,6 +531,22 @@ def resolve(group: Any, fn: str) -> Comm:
     if pg.rank() < 0:
         _not_member("the group", fn)
     return _traced_comm(pg, group) if is_compiling() else _comm_of(pg)
+
+
+def _launched_alone(fn: str) -> None:
+    """Raise when a launcher started this process as one of several ranks and no process
+    group exists: the collective would run as a world of one rank, and every rank would
+    silently work alone (torch raises here too)."""
+    launched = _registry.decide()
+    if not launched:
+        return
+    raise RuntimeError(
+        f"{fn}: no process group exists, but {launched.replace(' it ', ' this process ')}"
+        ": as a world of one rank, every rank would silently work alone. Call "
+        "dist.init_dist() (or torch.distributed.init_process_group) before the first "
+        "collective; if these processes are meant to run independently, call "
+        'dist.init_dist(launcher="none") or set DISTKIT_INDEPENDENT=1'
+    )
 
 
 def _not_member(what: str, fn: str) -> NoReturn:

@@ -10,8 +10,9 @@ runs instead (the lane never raises an argument error of its own).
 
 It keeps what the watched backend gives every collective: the thread check and call
 number of :meth:`Comm.enter` (hang reports; inlined, and when another thread holds the
-group the checked path runs and says so), the debug-mode check (by stepping aside when
-debug mode is on), and the timeout-to-:class:`CollectiveTimeoutError` mapping.
+group the checked path runs and says so), the note of the call the watchdog reads, the
+debug-mode check and the default check (by stepping aside when one of them is due), and
+the mapping of backend errors to distkit's (timeouts, ranks that went away).
 
 It calls the process group's ``allreduce`` directly, as ``torch.distributed.all_reduce``
 does after its own checks, which hold here: the tensor is a plain dense CPU tensor of a
@@ -21,6 +22,7 @@ active, and the group is not inside torch's ``_coalescing_manager``.
 
 from __future__ import annotations
 
+import sys
 from threading import get_ident
 from typing import Any, Optional
 
@@ -29,7 +31,7 @@ from torch import Tensor
 
 from distkit import _registry, _settings
 from distkit._compat import is_compiling
-from distkit.dist import _watch
+from distkit.dist import _check, _ops, _watch
 from distkit.dist._comm import _FACTS, Comm
 
 #: dtypes every CPU backend sums natively (gloo's narrow ones go through distkit's
@@ -41,7 +43,11 @@ if torch.distributed.is_available():
     _SYNC = hasattr(_Options(), "asyncOp")
 _STRIDED = torch.strided
 _DEBUG_DEFAULT = _settings.default("debug")
+_CHECK_DEFAULT = _settings.default("check")
 _NAME = "all_reduce"
+# the call as the backend method would note it for the watchdog: (data, op, async_op)
+_PARAMS = ("data", "op", "async_op")
+_OP_SUM = _ops.OPS["sum"]
 _has_torch_function = torch._C._has_torch_function_unary
 
 
@@ -68,15 +74,24 @@ def all_reduce_sum(data: Any) -> Optional[Tensor]:
     ):
         return None
     facts = _FACTS.get(id(pg))
-    if facts is None or facts.ref() is not pg or not facts.cpu_home:
-        return None  # a new group (the checked path learns its facts) or an accelerator's
+    if facts is None or facts.ref() is not pg or not facts.cpu_home or facts.broken:
+        return None  # a new group (the checked path learns its facts), an accelerator's,
+        # or a broken one (the checked path says so)
     group: Any = pg  # (mypy narrows pg to the weakref's Optional type above)
     me = get_ident()
     if facts.thread and facts.thread != me:
         return None  # another thread is in a collective on it: the checked path says so
+    seq = facts.seq + 1
+    if (
+        facts.size > 1
+        and _settings.values.get("check", _CHECK_DEFAULT)
+        and _check.peek(facts, seq, sys._getframe(1))
+    ):
+        return None  # the default check is due: the checked path runs it
     # Comm.enter, inlined: this thread holds the group, and the call gets its number
     facts.thread = me
-    facts.seq += 1
+    facts.seq = seq
+    facts.call = (_NAME, _NAME, _PARAMS, (data, _OP_SUM, False))
     try:
         opts: Any = _Options()  # Any: torch 2.4's stubs have no asyncOp
         opts.reduceOp = _SUM
@@ -92,5 +107,6 @@ def all_reduce_sum(data: Any) -> Optional[Tensor]:
             raise better from exc
         raise
     finally:
+        facts.call = None
         facts.thread = 0
     return data

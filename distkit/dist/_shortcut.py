@@ -54,6 +54,7 @@ def shortcut(
     returns: str,
     world: Optional[str] = None,
     lane: Optional[tuple[str, Any, Callable[[Any], Any]]] = None,
+    collective: bool = True,
     **when: Any,
 ) -> Callable[[F], F]:
     """Compile a shortcut in front of the checked function it decorates.
@@ -68,6 +69,10 @@ def shortcut(
             parameter)`` runs, and what it returns is the result unless it is ``None``
             (then the checked path runs). For a many-rank call common enough to skip
             the checked path's layers (see :mod:`distkit.dist._lane`).
+        collective: Whether the function is a collective: its guard then reads "is
+            there a process group?" through :func:`distkit._registry.guard`, so that a
+            launched process without one takes the checked path (which raises) instead
+            of returning the single-process result. Queries (``world`` given) are not.
         **when: Parameter name to condition: a value compared by identity (``None``,
             ``False``, ``0``, ``"sum"``), a type (the argument's exact class), a
             frozenset of types, a predicate, or a tuple of conditions one of which must
@@ -132,7 +137,8 @@ def shortcut(
         exec(compile(source, f"<distkit shortcut of {checked.__name__}>", "exec"), namespace)
         inner = namespace["factory"](*closure.values())
         cells = dict(zip(inner.__code__.co_freevars, inner.__closure__ or ()))
-        _registry.watch(cells["_world"])  # it follows the registry once torch is loaded
+        # it follows the registry once torch is loaded (and the launcher guard)
+        _registry.watch(cells["_world"], collective=collective and world is None)
         # Home the function in the collective's module, so that tools looking for a
         # module's own functions (doctest, pickling by name) find it there.
         fast = types.FunctionType(

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from distkit import _settings
-from distkit.dist import debug, timeouts
+from distkit.dist import _check, debug, timeouts
 from distkit.dist.handle import Handle
 
 if TYPE_CHECKING:
@@ -25,17 +26,50 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 _local = threading.local()
 _DEBUG_DEFAULT = _settings.default("debug")
+_CHECK_DEFAULT = _settings.default("check")
 
 
 def _on_error(
     comm: Comm, public: str, seq: int
 ) -> Callable[[BaseException], Optional[BaseException]]:
+    """What to raise instead of a collective's error (``None``: the error itself); a
+    group that timed out or lost a rank is marked unusable (see :meth:`Comm.enter`)."""
+
     def replace(exc: BaseException) -> Optional[BaseException]:
-        if timeouts.is_timeout(exc) and not isinstance(exc, timeouts.CollectiveTimeoutError):
-            return timeouts.diagnose(comm, public, seq, exc)
-        return None
+        better = _better(comm, public, seq, exc)
+        final = exc if better is None else better
+        facts = comm._facts
+        if facts is not None and isinstance(
+            final, (timeouts.CollectiveTimeoutError, timeouts.RankGoneError)
+        ):
+            facts.broken = f"its call #{seq} ({public}) {_what(final)}"
+        return better
 
     return replace
+
+
+def _what(exc: BaseException) -> str:
+    if isinstance(exc, timeouts.CollectiveTimeoutError):
+        return "timed out"
+    gone = ", ".join(f"rank {r}" for r in sorted(getattr(exc, "gone", {})))
+    return f"lost {gone or 'a rank'}"
+
+
+def _better(comm: Comm, public: str, seq: int, exc: BaseException) -> Optional[BaseException]:
+    facts = comm._facts
+    if isinstance(exc, (timeouts.CollectiveTimeoutError, timeouts.RankGoneError)):
+        return None
+    if isinstance(exc, debug.CollectiveMismatchError):
+        return None
+    if facts is not None and facts.failed is not None and facts.failed[0] == seq:
+        found = facts.failed[1]  # the watchdog's default check of this very call
+        facts.failed = None
+        return found
+    if timeouts.is_timeout(exc):
+        return timeouts.diagnose(comm, public, seq, exc)
+    if timeouts.is_peer_lost(exc):
+        return timeouts.peer_gone(comm, public, seq, exc)
+    return None
 
 
 def watched(method: F) -> F:
@@ -51,11 +85,22 @@ def watched(method: F) -> F:
             return method(self, comm, *args)
         public = args[call_at].fn if call_at >= 0 else name
         seq = comm.enter(public)
+        facts = comm._facts
+        if facts is not None:
+            facts.call = (public, name, params, args)  # for the watchdog
         _local.depth = 1
         try:
             if settings.get("debug", _DEBUG_DEFAULT):
                 _, fields, must = debug.signature(name, dict(zip(params, args)))
                 debug.check(comm, public, fields, must, seq)
+            elif (
+                facts is not None
+                and facts.size > 1
+                and settings.get("check", _CHECK_DEFAULT)
+                and _check.due(facts, seq, sys._getframe(1))
+            ):
+                _, fields, must = debug.signature(name, dict(zip(params, args)))
+                _check.run(comm, public, fields, must, seq)
             result = method(self, comm, *args)
             if isinstance(result, Handle):  # async: a timeout surfaces in wait()
                 result.on_error(_on_error(comm, public, seq))
@@ -66,6 +111,8 @@ def watched(method: F) -> F:
             raise
         finally:
             _local.depth = 0
+            if facts is not None:
+                facts.call = None
             comm.leave()
         return result
 

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import struct
 import sys
+import threading
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -29,6 +32,14 @@ if TYPE_CHECKING:
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__ or ""))
+# frames that are never the user's call site: distkit, torch, and the standard library
+# modules that run a script or a thread
+_LIBRARY = (
+    _PACKAGE_DIR + os.sep,
+    _TORCH_DIR + os.sep,
+    os.path.abspath(runpy.__file__),
+    os.path.abspath(threading.__file__),
+)
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -79,12 +90,15 @@ def get_debug() -> bool:
     return bool(_settings.get("debug"))
 
 
-def call_site() -> str:
-    """``file:line in function`` of the innermost frame outside distkit and torch."""
-    frame = sys._getframe(1)
+def call_site(frame: Optional[FrameType] = None) -> str:
+    """``file:line in function`` of the innermost frame outside distkit, torch and the
+    standard library's plumbing (runpy, threading), from ``frame`` (another thread's,
+    e.g. from ``sys._current_frames()``) or the caller's."""
+    if frame is None:
+        frame = sys._getframe(1)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
-        inside = filename.startswith((_PACKAGE_DIR, _TORCH_DIR)) or "<distkit" in filename
+        inside = filename.startswith(_LIBRARY) or "<distkit" in filename
         if not inside and "<frozen" not in filename:
             shown = os.path.relpath(filename)
             if shown.startswith(".."):  # outside the working directory: say where exactly
@@ -169,7 +183,7 @@ def signature(name: str, args: dict[str, Any]) -> tuple[str, dict, dict]:
     return public, fields, {path: _pick(fields, path) for path in must}
 
 
-def _format_call(call: dict) -> str:
+def format_call(call: dict) -> str:
     shown = ", ".join(f"{k}={v}" for k, v in call["fields"].items())
     return f"{call['call']}({shown}) at {call['site']}"
 
@@ -258,7 +272,7 @@ def check(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
         f"(debug mode; on rank {comm.rank} of {comm.size}):"
     ]
     for r, c in enumerate(calls):
-        lines.append(f"  rank {r}: {_format_call(c)}")
+        lines.append(f"  rank {r}: {format_call(c)}")
     if len({c["call"] for c in calls}) > 1:
         lines.append(
             "Every rank must call the same collectives in the same order; a rank "

@@ -124,6 +124,7 @@ def init_dist(
     if launcher == "auto":
         launcher = environ.detect_launcher()[0]
     if launcher == "none":
+        _registry.allow_alone()  # said in so many words: a world of one rank is meant
         return 0, 1
     env = environ.launcher_env(launcher, port=kwargs.pop("port", None))
     os.environ.update(env)
@@ -144,7 +145,19 @@ def init_dist(
         options["init_method"] = kwargs.pop("init_method", "env://")
     options.update(kwargs)
     td.init_process_group(**options)
+    _watch_world()
     return rank, world
+
+
+def _watch_world() -> None:
+    """Set up, from the start, what lets the other ranks know about this one: the exit
+    note it leaves on the store and the watchdog that answers roll calls (see
+    :mod:`distkit.dist._board`). Without ``init_dist``, the first collective does it."""
+    from distkit.dist import _board, _comm, _watchdog
+
+    pg = _registry.current._default_pg
+    if pg is not None and pg.size() > 1 and _board.board() is not None:
+        _watchdog.ensure(_comm._FACTS)
 
 
 def destroy_dist() -> None:

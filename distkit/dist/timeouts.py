@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
-from distkit import _settings
+from distkit import _registry, _settings
 from distkit._compat import default_store
+from distkit.dist import _board
+from distkit.dist._board import describe_exit
 from distkit.dist.debug import call_site, group_label
 
 if TYPE_CHECKING:
@@ -27,8 +29,8 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective waited longer than its timeout.
 
     Attributes:
-        missing: Group ranks that never arrived at this call.
-        reports: What the other ranks posted about where they were waiting.
+        missing: Global ranks that never arrived at this call.
+        reports: What the other ranks posted about where they were waiting, by global rank.
     """
 
     def __init__(self, message: str, missing: list[int], reports: dict[int, dict]) -> None:
@@ -62,8 +64,19 @@ def _gather_posts(store: Any, me: int, others: list[int]) -> dict[int, dict]:
     return reports
 
 
+def _label(comm: Comm, global_rank: int) -> str:
+    """``rank 2`` (global), with its place in a sub-group: ``rank 2 (rank 1 of group [1, 2])``."""
+    if comm.pg is _registry.current._default_pg:
+        return f"rank {global_rank}"
+    return f"rank {global_rank} (rank {comm.rank} of {group_label(comm)})"
+
+
 def diagnose(comm: Comm, public: str, seq: int, exc: BaseException) -> CollectiveTimeoutError:
-    """Ask the store where every rank of the group is; build the error to raise."""
+    """Ask the store where every rank of the group is; build the error to raise.
+
+    Ranks are named by their global rank (what launchers and logs show), with their
+    rank within a sub-group beside it.
+    """
     site = call_site()
     ranks = comm.global_ranks()
     me = ranks[comm.rank]
@@ -85,29 +98,31 @@ def diagnose(comm: Comm, public: str, seq: int, exc: BaseException) -> Collectiv
                 pass
     same, missing, elsewhere = [], [], []
     grace = float(_settings.get("hang_grace"))
-    for group_rank, r in enumerate(ranks):
+    for r in ranks:
         if r == me:
             continue
         report = reports.get(r)
         here = report is not None and report["group"] == ranks and report["seq"] == seq
         if here and report is not None and report["call"] == public:
-            same.append(group_rank)
+            same.append(r)
             continue
-        missing.append(group_rank)
+        missing.append(r)
         if report:
             group = "this group" if report["group"] == ranks else f"group {report['group']}"
             elsewhere.append(
-                f"rank {group_rank} is waiting in {report['call']} (its call "
+                f"rank {r} is waiting in {report['call']} (its call "
                 f"#{report['seq']} on {group}) at {report['site']}"
             )
         else:
             elsewhere.append(
-                f"rank {group_rank} posted nothing within {grace:g} s: it is not waiting "
+                f"rank {r} posted nothing within {grace:g} s: it is not waiting "
                 "in a distkit collective (busy, blocked elsewhere, or dead)"
             )
+    where_me = _label(comm, me)
     lines = [
-        f"{public} timed out on rank {comm.rank} of {comm.size} of {group_label(comm)} "
-        f"(its call #{seq} on this group, at {site}){note}."
+        f"{public} timed out on {where_me} (its call #{seq} on "
+        f"{'this group' if comm.pg is not _registry.current._default_pg else 'the default group'}"
+        f", at {site}){note}."
     ]
     if missing:
         lines.append(f"Rank(s) {', '.join(map(str, missing))} never arrived at this call:")
@@ -115,5 +130,89 @@ def diagnose(comm: Comm, public: str, seq: int, exc: BaseException) -> Collectiv
     if same:
         lines.append(f"Rank(s) {', '.join(map(str, same))} are waiting in this call too.")
     lines.append(f"The backend said: {exc}")
-    by_group_rank = {ranks.index(r): v for r, v in reports.items()}
-    return CollectiveTimeoutError("\n".join(lines), missing, by_group_rank)
+    return CollectiveTimeoutError("\n".join(lines), missing, reports)
+
+
+class RankGoneError(RuntimeError):
+    """A rank of the group went away (exited, or was killed) while this rank waited for it
+    in a collective.
+
+    Attributes:
+        gone: What is known of each rank that went away, by global rank: its exit note
+            (``{"how": ..., "code": ..., "error": ...}``), empty for a rank that left none.
+    """
+
+    def __init__(self, message: str, gone: dict[int, dict]) -> None:
+        super().__init__(message)
+        self.gone = gone
+
+
+#: What a backend's error says when a peer went away (gloo, NCCL, the store)
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+)
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """Whether a backend exception says that another rank went away."""
+    text = str(exc)
+    return any(s in text for s in PEER_LOST)
+
+
+def gone_error(
+    comm: Comm, public: str, seq: int, gone: dict, exc: Optional[BaseException]
+) -> RankGoneError:
+    """The error for ``gone`` (exit notes or descriptions, by global rank) having left
+    while this rank waited in call ``seq`` (``exc``: the backend's error, if any)."""
+    gone = {int(r): note for r, note in gone.items()}
+    told = [
+        describe_exit(r, note) if isinstance(note, dict) else f"rank {r} {note}"
+        for r, note in sorted(gone.items())
+    ]
+    ranks = comm.global_ranks()
+    default = comm.pg is _registry.current._default_pg
+    text = (
+        f"{public}: {', '.join(told) or 'a rank went away'} while {_label(comm, ranks[comm.rank])} "
+        f"waited in {public} at {call_site()} (its call #{seq} on "
+        f"{'the default group' if default else group_label(comm)})"
+    )
+    if exc is not None:
+        text += f". The backend said: {exc}"
+    return RankGoneError(text, {r: n if isinstance(n, dict) else {} for r, n in gone.items()})
+
+
+def peer_gone(comm: Comm, public: str, seq: int, exc: BaseException) -> RankGoneError:
+    """Name the rank(s) that went away, from their exit notes on the store (the rank's
+    own, and the exit code ``distkit launch`` adds), or from who fails to answer a roll
+    call when none left a note (killed, crashed)."""
+    ranks = comm.global_ranks()
+    me = ranks[comm.rank]
+    others = [r for r in ranks if r != me]
+    found: dict[int, Any] = {}
+    try:
+        board = _board.board()
+        if board is not None:
+            deadline = time.monotonic() + 1.0  # the launcher's exit code follows the note
+            while True:
+                found = board.exits(others)
+                if found and all("code" in n for n in found.values()):
+                    break
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+            if not found:
+                k = board.ask({"kind": "where", "group": ranks, "from": me})
+                grace = min(float(_settings.get("hang_grace")), 3.0)
+                answered = board.answers(k, others, grace)
+                found = {
+                    r: "did not answer a roll call (killed, crashed, or stuck outside Python)"
+                    for r in others
+                    if r not in answered
+                }
+    except Exception:  # the store went away too: rank 0 hosts it under env:// alone
+        if not found and 0 in others:
+            found = {0: "is gone, and the store it hosted with it"}
+    return gone_error(comm, public, seq, found, exc)

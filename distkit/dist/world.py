@@ -32,7 +32,7 @@ def _resolve(group: Any, fn: str) -> Comm:
     # imported here: it needs torch, which an explicit group means is loaded anyway
     from distkit.dist._comm import resolve
 
-    return resolve(group, fn)
+    return resolve(group, fn, collective=False)
 
 
 def is_distributed() -> bool:
@@ -171,7 +171,7 @@ def master_only(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-@shortcut("None", group=None)
+@shortcut("None", collective=False, group=None)
 def get_backend(group: GroupLike = None) -> Optional[str]:
     """Lower-case backend name of ``group`` (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``...).
 

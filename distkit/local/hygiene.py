@@ -4,14 +4,16 @@ from __future__ import annotations
 
 
 def reset_state() -> None:
-    """Forget cached groups (destroying them), the local group and distkit settings."""
-    from distkit import _settings
+    """Forget cached groups (destroying them), the local group, distkit settings, and
+    whether collectives without a process group may run here (decided again)."""
+    from distkit import _registry, _settings
     from distkit.dist.world import forget_local_group
     from distkit.utils.groups import clear_group_cache
 
     clear_group_cache(destroy=True)
     forget_local_group()
     _settings.reset()
+    _registry.forget_alone()
 
 
 def leftovers() -> list[str]:

@@ -154,9 +154,12 @@ class _Rank:
 class _Launch:
     """Start the ranks, watch them, stop them, and say what happened."""
 
-    def __init__(self, nprocs: int, out: Any) -> None:
+    def __init__(self, nprocs: int, out: Any, store: Any = None) -> None:
         self.nprocs = nprocs
         self.out = out
+        self.store = store  # the rendezvous store, where each rank's exit code is noted
+        self.store_lock = threading.Lock()
+        self.run_id = f"distkit-{uuid.uuid4().hex[:12]}"
         self.ranks: list[_Rank] = []
         self.wake = threading.Event()
         self.lock = threading.Lock()  # guards the pipes' data
@@ -167,7 +170,7 @@ class _Launch:
     # -- processes --------------------------------------------------------------------
 
     def start(self, cmd: list[str], port: int) -> None:
-        run_id = f"distkit-{uuid.uuid4().hex[:12]}"
+        run_id = self.run_id
         preexec = die_with_parent(os.getpid())  # set before the rank's interpreter runs
         for rank in range(self.nprocs):
             error_r, error_w = os.pipe()
@@ -201,6 +204,31 @@ class _Launch:
         r.proc.wait()
         r.exited_at = time.monotonic()
         self.wake.set()
+        self._note_exit(r)
+
+    def _note_exit(self, r: _Rank) -> None:
+        """Tell the ranks left waiting how this one ended (its exit code), beside the
+        note it left itself (see distkit.dist._board): they name it in their error."""
+        from distkit.dist._board import exit_key
+
+        key = exit_key(r.rank, f"{self.run_id}.0")
+        with self.store_lock:  # the store must not go while this talks to it
+            store = self.store
+            if store is None:
+                return
+            try:
+                note = json.loads(bytes(store.get(key))) if store.check([key]) else {}
+                note["code"] = r.proc.returncode
+                store.set(key, json.dumps(note))
+            except Exception:  # the store is shutting down
+                pass
+
+    def close_store(self) -> Any:
+        """Stop using the store; return it (the caller destroys it, while the
+        interpreter runs: a TCPStore freed at exit aborts the process)."""
+        with self.store_lock:
+            store, self.store = self.store, None
+        return store
 
     def _read(self) -> None:
         """Collect what the ranks write to their pipes until every pipe is closed."""
@@ -298,19 +326,21 @@ class _Launch:
             # an error that says another rank went away is that rank's doing: a rank that
             # exits (even without a traceback) closes its sockets before the launcher
             # sees it gone, so its peers' errors can arrive first
-            last = ((r.report() or {}).get("traceback") or "").rstrip().splitlines()[-1:]
-            return any(s in line for line in last for s in _PEER_LOST)
+            text = (r.report() or {}).get("traceback") or ""
+            return any(s in _summary(text) for s in _PEER_LOST)
 
         several = len(failed) > 1
         return sorted(failed, key=lambda r: (several and lost_a_peer(r), r.failed_at, r.rank))
 
 
-#: What a rank's last error line says when another rank went away (gloo, NCCL, the store)
+#: What a rank's error says when another rank went away (gloo, NCCL, the store, or
+#: distkit's own RankGoneError, which names it)
 _PEER_LOST = (
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
     "remote process exited",
+    "RankGoneError",
 )
 
 
@@ -354,7 +384,7 @@ def run_script(
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     cmd = [sys.executable, "-m", "distkit.local.script", "--as-rank"]
     cmd += ["--module", script] if module else [script]
-    launch = _Launch(nprocs, out)
+    launch = _Launch(nprocs, out, store)
     restore = _catch_signals(launch)
     stuck: list[_Rank] = []
     stacks: dict[int, str] = {}
@@ -372,6 +402,7 @@ def run_script(
     finally:
         launch.stop([(signal.SIGKILL, 5.0)])  # however this ends, no rank survives it
         restore()
+        launch.close_store()
         del store
     return _report(launch, outcome, stuck, stacks, timeout)
 
@@ -400,6 +431,17 @@ def _catch_signals(launch: _Launch) -> Any:
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<fn>\S+)')
 
 
+def _summary(traceback: str) -> str:
+    """The first line of the exception a traceback ends with (its message may span
+    several lines)."""
+    lines = traceback.rstrip().splitlines()
+    last_frame = max((i for i, ln in enumerate(lines) if ln.startswith("  File ")), default=-1)
+    for line in lines[last_frame + 1 :]:
+        if line and not line.startswith((" ", "Traceback (most recent call last)")):
+            return line
+    return lines[-1] if lines else ""
+
+
 def _main_thread(dump: str) -> str:
     """The main thread's part of a faulthandler dump, without the launcher's frames."""
     blocks = [b for b in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip()) if b]
@@ -424,7 +466,16 @@ def _where(text: str, innermost_first: bool) -> Optional[str]:
         return None
     mine = [m for m in frames if not _library_file(m["file"])]
     m = (mine or frames)[-1]
-    return f"{m['file']}:{m['line']} in {m['fn']}"
+    where = f"{m['file']}:{m['line']} in {m['fn']}"
+    inner = frames[frames.index(m) + 1 :]  # what that line was running, outermost first
+    if mine and inner and _distkit_file(inner[0]["file"]):
+        return f"in dist.{inner[0]['fn']} at {where}"  # e.g. waiting in a collective
+    return f"at {where}"
+
+
+def _distkit_file(filename: str) -> bool:
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return filename.startswith("<distkit") or filename.startswith(package + os.sep)
 
 
 def _library_file(filename: str) -> bool:
@@ -460,7 +511,7 @@ def _report(
             if where is None and r.rank in stacks:
                 where = _where(_main_thread(stacks[r.rank]), True)
             if where:
-                lines.append(f"  rank {r.rank} was at {where}")
+                lines.append(f"  rank {r.rank} was {where}")
     for i, r in enumerate(failed):
         code = r.code or 0
         if r.exited_at is None or r.exited_at >= launch.stopped_at:
@@ -476,7 +527,7 @@ def _report(
             else:
                 lines.append("(it printed no Python traceback: it exited or was killed)")
         else:
-            last = report["traceback"].rstrip().splitlines()[-1] if report else "no traceback"
+            last = _summary(report["traceback"]) if report else "no traceback"
             lines.append(f"distkit launch: rank {r.rank} of {n} failed too ({how}): {last}")
     if stuck and outcome == "failed":
         lines.append(
@@ -486,7 +537,7 @@ def _report(
         for r in stuck:
             where = _where(_main_thread(stacks.get(r.rank, "")), True)
             if where:
-                lines.append(f"  rank {r.rank} was at {where}")
+                lines.append(f"  rank {r.rank} was {where}")
     if stuck and outcome == "timeout":
         lines.append(
             f"distkit launch: rank(s) {', '.join(str(r.rank) for r in stuck)} were still "
@@ -545,6 +596,10 @@ def _as_rank(argv: list[str]) -> None:
         interrupted = isinstance(exc, KeyboardInterrupt)
         if interrupted:  # a second Ctrl-C must not cut this report short
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+        board = sys.modules.get("distkit.dist._board")
+        if board is not None and os.getpid() == me:  # tell the ranks waiting for this one
+            board.note_exception(exc)
+            board.note_exit("raised")
         if errors is None or os.getpid() != me or not _hand_over(errors, exc, interrupted):
             raise  # not the rank itself (a child it forked), or no launcher to tell
         sys.exit(INTERRUPTED if interrupted else 1)

@@ -313,6 +313,10 @@ def main(
                 fn, args, kwargs = _raiser(exc), (), {}
         kind, value, output = _run_task(rank, fn, args, kwargs)
         intact = _registry.current._default_pg is world and world is not None
+        if intact:  # a group the task broke (a caught timeout) leaves ranks out of step
+            from distkit.dist._comm import broken_groups
+
+            intact = not broken_groups()
         conn.send((kind, task_id, value, output, intact))
     with contextlib.suppress(Exception):
         import torch.distributed as td

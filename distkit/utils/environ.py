@@ -64,6 +64,48 @@ def detect_launcher(env: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
     return "none", "no launcher variables are set: a plain single process"
 
 
+def launched_as(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """How a launcher started this process as one rank of several, or ``None``.
+
+    ``None`` when :func:`detect_launcher` finds no launcher, or one that started a single
+    process (``WORLD_SIZE=1``). Otherwise a phrase naming the launcher and the variables
+    it set, for errors about a missing process group.
+
+    Args:
+        env: Environment to read; ``None`` reads ``os.environ``.
+
+    Examples:
+        >>> from distkit.utils.environ import launched_as
+        >>> print(launched_as({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}))
+        srun started it as rank 3 of 4 (SLURM_PROCID=3, SLURM_NTASKS=4, SLURM_STEP_ID=0)
+        >>> launched_as({}) is None
+        True
+    """
+    env = os.environ if env is None else env
+    launcher = detect_launcher(env)[0]
+    names: tuple[str, ...]
+    if launcher == "pytorch":
+        names, who = _TORCHRUN_VARS, "torchrun (or another launcher)"
+        rank, size = env["RANK"], env["WORLD_SIZE"]
+    elif launcher == "slurm":
+        step = "SLURM_STEP_ID" if "SLURM_STEP_ID" in env else "SLURM_STEPID"
+        names, who = ("SLURM_PROCID", "SLURM_NTASKS", step), "srun"
+        rank, size = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    elif launcher == "mpi":
+        who = "mpirun"
+        if "OMPI_COMM_WORLD_RANK" in env:
+            names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+        else:
+            names = ("PMI_RANK", "PMI_SIZE")
+        rank, size = env[names[0]], env[names[1]]
+    else:
+        return None
+    if (_int(size) or 1) <= 1:
+        return None
+    shown = ", ".join(f"{n}={env[n]}" for n in names if n in env)
+    return f"{who} started it as rank {rank} of {size} ({shown})"
+
+
 def _int(value: Optional[str]) -> Optional[int]:
     try:
         return int(value) if value is not None else None
