@@ -9,6 +9,9 @@ through ``is_conj()`` and friends. Results and aliasing are the eager backend's:
 compiler turns into an in-place update) and return it; a list result holds the caller's
 own tensor at this rank's index; new tensors carry no autograd history.
 
+``src`` and ``dst`` are group ranks here, as the functional collectives take them
+(they index ``pg``'s own ranks), never global ranks.
+
 What needs a value only known at run time (the shapes of an uneven ``all_gather``, the
 sizes of ``all_to_all_single`` without ``output_split_sizes``), pickles objects, blocks
 (``barrier``) or returns a handle (``async_op=True``) runs eagerly instead, through
@@ -108,7 +111,8 @@ class TracedBackend(Backend):
             return _eager(comm).eager("broadcast", data, src, async_op)
         import torch.distributed._functional_collectives as fc
 
-        out = fc.broadcast(_input(data), comm.global_rank(src), comm.pg)
+        # src is a group rank, as every functional collective takes it (it indexes pg)
+        out = fc.broadcast(_input(data), src, comm.pg)
         if comm.rank != src:
             data.detach().copy_(out)
         return data
