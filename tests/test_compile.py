@@ -323,3 +323,122 @@ def _mesh_dimensions():
 def test_mesh_dimensions_trace_with_group_ranks():
     # a world of its own: the mesh's groups must not reach the shared pools (conftest)
     in_fresh_world(_mesh_dimensions, 4, timeout=COMPILE_TIMEOUT)
+
+
+# -- every dtype eager moves: compiled results equal eager ones, bit for bit --------------
+
+_FLOAT8 = [
+    getattr(torch, name)
+    for name in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(torch, name)
+]
+_FLOAT4 = [getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n)]
+#: every dtype the eager collectives accept on gloo (gloo itself refuses int16, the wide
+#: unsigned types, float8 and float4, which distkit carries: see distkit.dist._gloo)
+EVERY_DTYPE = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.uint16,
+    torch.int32,
+    torch.uint32,
+    torch.int64,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex32,
+    torch.complex64,
+    torch.complex128,
+    *_FLOAT8,
+    *_FLOAT4,
+]
+
+
+def _ops_of(dtype: torch.dtype) -> tuple[str, ...]:
+    """The ops :func:`distkit.dist.all_reduce` accepts for ``dtype`` (float4: none)."""
+    if dtype in _FLOAT4:
+        return ()
+    if dtype is torch.complex32:  # torch cannot divide it on the CPU: eager's mean fails too
+        return ("sum",)
+    if dtype.is_complex:
+        return ("sum", "mean")
+    ops = ("sum", "mean", "max", "min", "product")
+    return ops if dtype.is_floating_point else (*ops, "band", "bor", "bxor")
+
+
+def _of(dtype: torch.dtype, rank: int, n: int) -> torch.Tensor:
+    """``n`` values of ``dtype`` that depend on ``rank`` (signed types get negatives)."""
+    i = torch.arange(n) + 3 * rank
+    if dtype is torch.bool:
+        return i % 3 != 0
+    if dtype in _FLOAT4:  # no arithmetic: from its bytes
+        return (i % 251).to(torch.uint8).view(dtype)
+    if dtype == getattr(torch, "float8_e8m0fnu", None):  # powers of two only
+        return (2.0 ** (i % 5)).to(dtype)
+    values = (i % 7 + 1).to(torch.float32)
+    if dtype.is_signed:
+        values = values * (1 - 2 * (i % 2))
+    return values.to(dtype)
+
+
+def _every_traced_call(t, flat, ops):
+    size = dist.get_world_size()
+    out = []
+    for op in ops:
+        out.append(dist.all_reduce(t.clone(), op=op))
+        if t.dtype is not torch.complex32:  # torch has no CPU sum of it: eager fails too
+            out.append(dist.reduce_scatter(flat, op=op))
+            out.append(dist.reduce_scatter(list(flat.chunk(size)), op=op))
+    out.append(dist.all_gather(t, same_shape=True))
+    out.append(dist.all_to_all_single(flat))
+    out.append(dist.all_to_all_single(flat, [2] * size, [2] * size))
+    out.append(dist.broadcast(t.clone(), src=size - 1))
+    out.append(dist.broadcast(t.clone(), src=0))
+    if ops:
+        dist.all_reduce(t, op=ops[0])  # in place, on the caller's tensor
+    return out
+
+
+def _same_bits(got, expected) -> None:
+    if isinstance(expected, (list, tuple)):
+        assert type(got) is type(expected) and len(got) == len(expected)
+        for g, e in zip(got, expected):
+            _same_bits(g, e)
+        return
+    assert got.dtype == expected.dtype and got.shape == expected.shape, (got, expected)
+    if got.dtype is torch.bool:  # by value: gloo's sum of bools leaves bytes of 2 eagerly
+        got, expected = got.to(torch.uint8), expected.to(torch.uint8)
+    g, e = got.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)
+    assert torch.equal(g, e), (got.view(torch.uint8), expected.view(torch.uint8))
+
+
+@ranks(0, 1, 2, 3, timeout=COMPILE_TIMEOUT)
+@pytest.mark.parametrize("dtype", EVERY_DTYPE, ids=str)
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_every_dtype_compiles_to_the_eager_result(dtype):
+    rank, size = world()
+    ops = _ops_of(dtype)
+    t, flat = _of(dtype, rank, 4), _of(dtype, 100 + rank, 4 * size).view(2 * size, 2)
+    eager_in = [t.clone(), flat.clone()]
+    expected = _every_traced_call(*eager_in, ops)
+    compiled_in = [t.clone(), flat.clone()]
+    got = _compiled(_every_traced_call)(*compiled_in, ops)
+    _same_bits(got, expected)
+    _same_bits(compiled_in, eager_in)
+    if dtype in _FLOAT4 and dist.is_distributed():  # no arithmetic: the eager TypeError
+        for reduce, x in ((dist.all_reduce, t), (dist.reduce_scatter, flat)):
+            with pytest.raises(TypeError, match="cannot be reduced") as eager:
+                reduce(x.clone())
+            with pytest.raises(Exception) as strict:  # fullgraph: torch wraps it
+                _compiled(reduce)(x.clone())
+            assert str(eager.value) in str(strict.value)
+    torch._dynamo.reset()
