@@ -10,7 +10,9 @@ median seconds per call (the slowest rank of each iteration), the ratios torch/d
 mmengine/distkit (above 1: distkit is faster) and, for tensor collectives, bus bandwidth in
 the nccl-tests convention (algorithm bandwidth S/t times 2(n-1)/n for all_reduce, (n-1)/n for
 all_gather, reduce_scatter and all_to_all). The single-process rows time one call with no
-process group against a plain identity function.
+process group against a plain identity function. Without NumPy (no dependency of distkit)
+the implementations that need it, torch's object collectives and mmengine, are not run:
+their columns say ``n/a (needs NumPy)``.
 """
 
 from __future__ import annotations
@@ -36,12 +38,46 @@ from distkit._compat import all_gather_single, reduce_scatter_single
 MiB = 1024 * 1024
 
 
+class Unavailable(NamedTuple):
+    """An implementation that cannot run on this machine, and why (shown in its column)."""
+
+    reason: str
+
+
+#: torch's object collectives read what they receive with ``tensor.numpy()``, and mmengine
+#: imports NumPy: without NumPy (which distkit does not need) both columns say so
+NEEDS_NUMPY = Unavailable("needs NumPy")
+
+
+def _numpy_missing() -> bool:
+    """Whether torch cannot reach NumPy here (``tensor.numpy()`` raises without it)."""
+    try:
+        torch.zeros(1).numpy()
+    except RuntimeError:  # "Numpy is not available"
+        return True
+    return False
+
+
 def _mmengine() -> Any:
     try:
         import mmengine.dist as mm
     except ImportError:
         return None
     return mm
+
+
+def _mmengine_absent() -> Optional[Unavailable]:
+    """Why mmengine's columns are empty: ``None`` when it is not installed (plain n/a)."""
+    import importlib.util
+
+    if _numpy_missing() and importlib.util.find_spec("mmengine") is not None:
+        return NEEDS_NUMPY
+    return None
+
+
+def _torch_objects() -> Optional[Unavailable]:
+    """Why torch's object collectives cannot run here, or ``None`` when they can."""
+    return NEEDS_NUMPY if _numpy_missing() else None
 
 
 class Case(NamedTuple):
@@ -123,7 +159,7 @@ def _time(
 
 
 def _object_cases(rank: int, size: int, quick: bool) -> list[tuple]:
-    mm = _mmengine()
+    mm, mm_absent, torch_absent = _mmengine(), _mmengine_absent(), _torch_objects()
     big = 2 * MiB if quick else 32 * MiB
     n_small = 2_000 if quick else 20_000
     mid = 1 * MiB if quick else 4 * MiB
@@ -155,24 +191,24 @@ def _object_cases(rank: int, size: int, quick: bool) -> list[tuple]:
         impls = {
             "all_gather_object": {
                 "distkit": lambda obj=obj: dist.all_gather_object(obj),
-                "torch": torch_all_gather,
-                "mmengine": (lambda obj=obj: mm.all_gather_object(obj)) if mm else None,
+                "torch": torch_absent or torch_all_gather,
+                "mmengine": (lambda obj=obj: mm.all_gather_object(obj)) if mm else mm_absent,
             },
             "broadcast_object_list": {
                 "distkit": lambda obj=obj: dist.broadcast_object_list(
                     [obj] if rank == 0 else [None]
                 ),
-                "torch": torch_broadcast,
+                "torch": torch_absent or torch_broadcast,
                 "mmengine": (
                     lambda obj=obj: mm.broadcast_object_list([obj] if rank == 0 else [None])
                 )
                 if mm
-                else None,
+                else mm_absent,
             },
             "gather_object": {
                 "distkit": lambda obj=obj: dist.gather_object(obj),
-                "torch": torch_gather,
-                "mmengine": (lambda obj=obj: mm.gather_object(obj)) if mm else None,
+                "torch": torch_absent or torch_gather,
+                "mmengine": (lambda obj=obj: mm.gather_object(obj)) if mm else mm_absent,
             },
         }
         for op, fns in impls.items():
@@ -201,20 +237,22 @@ def _object_cases(rank: int, size: int, quick: bool) -> list[tuple]:
                 "info",
                 0.0,
             )
-            rows.append((case, {"distkit": floor, "torch": torch_broadcast}, None))
+            rows.append((case, {"distkit": floor, "torch": torch_absent or torch_broadcast}, None))
     return rows
 
 
 def _collect_cases(rank: int, size: int, quick: bool) -> list[tuple]:
-    mm = _mmengine()
+    mm, mm_absent = _mmengine(), _mmengine_absent()
     n = 10_000 if quick else 100_000
     results = small_dicts(n, rank)
     tmp = tempfile.mkdtemp(prefix="distkit-bench-") if rank == 0 else None
     tmp = dist.broadcast_object(tmp)
     fns = {
         "distkit": lambda: dist.collect_results(results, n * size),
-        "mmengine cpu": (lambda: mm.collect_results(results, n * size, "cpu", tmp)) if mm else None,
-        "mmengine gpu": (lambda: mm.collect_results(results, n * size, "gpu")) if mm else None,
+        "mmengine cpu": (lambda: mm.collect_results(results, n * size, "cpu", tmp))
+        if mm
+        else mm_absent,
+        "mmengine gpu": (lambda: mm.collect_results(results, n * size, "gpu")) if mm else mm_absent,
     }
     case = Case(
         f"collect_results: {n // 1000}k dicts per rank", "collect", ">= 1.5x faster", "vs", 1.5
@@ -223,7 +261,7 @@ def _collect_cases(rank: int, size: int, quick: bool) -> list[tuple]:
 
 
 def _tensor_cases(rank: int, size: int, quick: bool) -> list[tuple]:
-    mm = _mmengine()
+    mm, mm_absent = _mmengine(), _mmengine_absent()
     rows: list[tuple] = []
     sizes = [1, 4] if quick else [1, 4, 16, 64]
     for mib in sizes:
@@ -243,12 +281,12 @@ def _tensor_cases(rank: int, size: int, quick: bool) -> list[tuple]:
             "all_reduce": {
                 "distkit": lambda x=x: dist.all_reduce(x),
                 "torch": lambda x=x: td.all_reduce(x),
-                "mmengine": (lambda x=x: mm.all_reduce(x)) if mm else None,
+                "mmengine": (lambda x=x: mm.all_reduce(x)) if mm else mm_absent,
             },
             "all_gather": {
                 "distkit": lambda x=x: dist.all_gather(x, same_shape=True),
                 "torch": lambda x=x, n=n: all_gather_single(torch.empty(n * size), x),
-                "mmengine": (lambda x=x: mm.all_gather(x)) if mm else None,
+                "mmengine": (lambda x=x: mm.all_gather(x)) if mm else mm_absent,
             },
             "reduce_scatter": {
                 "distkit": lambda i=rs_in: dist.reduce_scatter(i),
@@ -384,7 +422,7 @@ def _compile_cases(rank: int, size: int, quick: bool) -> list[tuple]:
             {
                 "distkit": ours,
                 "torch": compiled(with_functional),
-                "mmengine": compiled(with_mmengine, fullgraph=False) if mm else None,
+                "mmengine": compiled(with_mmengine, fullgraph=False) if mm else _mmengine_absent(),
             },
             None,
         ),
@@ -432,9 +470,13 @@ def run_rank(only: Optional[str], quick: bool, budget: float) -> list[dict]:
         if only and only not in group:
             continue
         for case, fns, bus in build(rank, size, quick):
-            impls = {n: fn for n, fn in fns.items() if fn is not None}
+            # None: no such implementation; Unavailable: one that cannot run here
+            impls = {n: fn for n, fn in fns.items() if callable(fn)}
+            missing = {n: fn.reason for n, fn in fns.items() if isinstance(fn, Unavailable)}
             timings = _time(impls, budget, **(QUICK if quick else {}))
-            rows.append({"case": case._asdict(), "seconds": timings, "bus": bus})
+            rows.append(
+                {"case": case._asdict(), "seconds": timings, "bus": bus, "missing": missing}
+            )
     return rows
 
 
@@ -450,7 +492,7 @@ def noop_rows(number: int = 200_000, repeat: int = 7) -> list[dict]:
     pays CPython's keyword matching as the library call does. The ratio that judges a row
     is the one against the same-arguments control: what the library adds to a call.
     """
-    mm = _mmengine()
+    mm, mm_absent = _mmengine(), _mmengine_absent()
     statements = [  # (row, statement, the same-arguments control)
         ("get_rank()", "lib.get_rank()", "lib.nothing()"),
         ("get_world_size()", "lib.get_world_size()", "lib.nothing()"),
@@ -484,6 +526,8 @@ def noop_rows(number: int = 200_000, repeat: int = 7) -> list[dict]:
         row: dict[str, Any] = {"case": name, "distkit_ns": per_call(stmt, dist)}
         if mm is not None:
             row["mmengine_ns"] = per_call(stmt, mm)
+        elif mm_absent is not None:
+            row["missing"] = {"mmengine": mm_absent.reason}
         rows.append(row)
     for row, (_, _, control) in zip(rows, statements):
         row["identity_ns"] = min(bases)
@@ -502,6 +546,12 @@ def _nothing() -> None:
 # -- report --------------------------------------------------------------------------------
 
 
+def _not_run(row: dict, prefix: str) -> str:
+    """The cell of an implementation with no figure: ``n/a``, and why if it could not run."""
+    why = sorted({r for n, r in row.get("missing", {}).items() if n.startswith(prefix)})
+    return f"n/a ({', '.join(why)})" if why else "n/a"
+
+
 def _fmt_s(seconds: Optional[float]) -> str:
     if seconds is None:
         return "n/a"
@@ -516,8 +566,12 @@ def verdict(row: dict) -> tuple[dict, str]:
     if case["check"] in ("info", "debug"):
         return ratios, "-"
     if case["check"] == "vs":
-        met = bool(ratios) and min(ratios.values()) >= case["goal"]
+        if not ratios:  # no peer ran here (see the row's missing reasons)
+            return ratios, "n/a"
+        met = min(ratios.values()) >= case["goal"]
     else:
+        if "torch" not in sec:
+            return ratios, "n/a"
         met = ours / sec["torch"] <= case["goal"]
     return ratios, "yes" if met else "NO"
 
@@ -558,8 +612,8 @@ def tables(rows: list[dict], noop: list[dict], world: int) -> list[Table]:
                 [
                     case["name"],
                     _fmt_s(sec["distkit"]),
-                    _fmt_s(sec.get("torch")),
-                    " / ".join(_fmt_s(sec[n]) for n in mm_names) or "n/a",
+                    _fmt_s(sec["torch"]) if "torch" in sec else _not_run(row, "torch"),
+                    " / ".join(_fmt_s(sec[n]) for n in mm_names) or _not_run(row, "mmengine"),
                     f"{ratios['torch']:.2f}x" if "torch" in ratios else "n/a",
                     " / ".join(f"{ratios[n]:.2f}x" for n in mm_names) or "n/a",
                     bus,
@@ -598,7 +652,7 @@ def tables(rows: list[dict], noop: list[dict], world: int) -> list[Table]:
                     f"{ours:.0f} ns ({ours / base:.1f}x, {ours / control:.1f}x)",
                     f"{theirs:.0f} ns ({theirs / base:.1f}x, {theirs / control:.1f}x)"
                     if theirs
-                    else "n/a",
+                    else _not_run(row, "mmengine"),
                     "<= 3x",
                     "yes" if ours / control <= 3 else "NO",
                 ]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 
+from conftest import ROOT
 from helpers_subprocess import run
 
 
@@ -38,3 +41,44 @@ def test_benchmark_quick_run_reports_every_case(tmp_path):
     for row in noop.values():  # both controls, each a real measurement
         assert row["identity_ns"] > 0 and row["same_args_ns"] > 0, row
     assert "torch/distkit" in proc.stdout and "single process" in proc.stdout
+
+
+def test_benchmark_runs_without_numpy_and_says_which_columns_need_it(tmp_path):
+    # NumPy is no dependency of distkit: hide it (a package that fails to import, as a
+    # missing one does) from the bench and from its ranks, which inherit PYTHONPATH
+    hidden = tmp_path / "hidden" / "numpy"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text(
+        'raise ModuleNotFoundError("numpy is hidden by the test", name="numpy")\n'
+    )
+    out = tmp_path / "bench.json"
+    proc = run(
+        [
+            "benchmarks/run.py",
+            "--quick",
+            "--budget",
+            "0.01",
+            "--timeout",
+            "300",
+            "--json",
+            str(out),
+        ],
+        timeout=600,
+        PYTHONPATH=os.pathsep.join([str(hidden.parent), str(ROOT)]),
+    )
+    rows = json.loads(out.read_text())["rows"]
+    mmengine = importlib.util.find_spec("mmengine") is not None
+    objects = [row for row in rows if row["case"]["group"] == "objects"]
+    assert len(objects) == 16, [row["case"]["name"] for row in objects]  # 5 payloads x 3, floor
+    for row in objects:  # torch's object collectives call tensor.numpy()
+        assert row["seconds"]["distkit"] > 0 and "torch" not in row["seconds"], row
+        assert row["missing"]["torch"] == "needs NumPy", row
+    for row in rows:  # mmengine imports NumPy
+        assert not any(name.startswith("mmengine") for name in row["seconds"]), row
+        if mmengine and any(name.startswith("mmengine") for name in row["missing"]):
+            assert set(row["missing"].values()) == {"needs NumPy"}, row
+    if mmengine:
+        assert objects[0]["missing"]["mmengine"] == "needs NumPy"
+    tensors = [row for row in rows if row["case"]["group"] in ("tensors", "uneven")]
+    assert tensors and all(row["seconds"]["torch"] > 0 for row in tensors)  # no NumPy needed
+    assert "n/a (needs NumPy)" in proc.stdout

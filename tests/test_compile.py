@@ -207,3 +207,238 @@ def test_a_step_compiles_with_inductor_and_matches_eager():
     got = torch.compile(_inductor_step, backend="inductor", fullgraph=True)(base.clone())
     _same(list(got), list(expected))
     torch._dynamo.reset()
+
+
+# -- sub-groups and mesh dimensions: src, dst and list indices are group ranks ------------
+
+
+def _t(g: int) -> torch.Tensor:
+    """What the rank of global rank ``g`` passes."""
+    return torch.tensor([10.0 * g + 1, -g - 0.5])
+
+
+def _flat(g: int, n: int) -> torch.Tensor:
+    return torch.arange(4.0 * n).view(2 * n, 2) + 100 * g
+
+
+def _on_a_sub_group(t, flat, group):
+    """Every traced collective on ``group``; src and list indices are group ranks."""
+    size = dist.get_world_size(group)
+    return (
+        dist.broadcast(t.clone(), src=0, group=group),
+        dist.broadcast(t.clone(), src=size - 1, group=group),
+        dist.all_reduce(t.clone(), op="max", group=group),
+        dist.all_gather(t, group=group, same_shape=True),
+        dist.reduce_scatter(flat, group=group),
+        dist.reduce_scatter(list(flat.chunk(size)), op="min", group=group),
+        dist.all_to_all_single(flat, group=group),
+        dist.all_to_all_single(flat, [2] * size, [2] * size, group=group),
+        torch.tensor([dist.get_rank(group), size]),
+    )
+
+
+def _expected_on(members: list[int], g: int) -> tuple:
+    """What :func:`_on_a_sub_group` returns on global rank ``g`` of ``members``."""
+    n, q = len(members), members.index(g)
+    flats = [_flat(m, n) for m in members]
+    return (
+        _t(members[0]),
+        _t(members[-1]),
+        torch.stack([_t(m) for m in members]).amax(0),
+        [_t(m) for m in members],
+        sum(flats)[2 * q : 2 * q + 2],
+        torch.stack([f.chunk(n)[q] for f in flats]).amin(0),
+        torch.cat([f[2 * q : 2 * q + 2] for f in flats]),
+        torch.cat([f[2 * q : 2 * q + 2] for f in flats]),
+        torch.tensor([q, n]),
+    )
+
+
+def _eagerly_on_a_sub_group(t, group):
+    """What runs eagerly under compile and takes a src or dst (a graph break each)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    last = size - 1
+    parts = [t + 1000 * r for r in range(size)] if rank == last else None
+    return (
+        dist.reduce(t.clone(), dst=last, group=group),
+        dist.gather(t, dst=last, group=group, same_shape=True),
+        dist.scatter(parts, src=last, group=group),
+        dist.broadcast(t.clone(), src=last, group=group, async_op=True).wait(),
+    )
+
+
+def _check_group(group, members: list[int]) -> None:
+    """Compiled equals eager equals the expected values, on this member of ``group``."""
+    g = dist.get_rank()
+    n = len(members)
+    got = _against_eager(lambda t, f: _on_a_sub_group(t, f, group), _t(g), _flat(g, n))
+    _same(list(got), list(_expected_on(members, g)))
+    got = _against_eager(lambda t: _eagerly_on_a_sub_group(t, group), _t(g), fullgraph=False)
+    last = members[-1]
+    assert torch.equal(got[0], sum(_t(m) for m in members) if g == last else _t(g))
+    if g == last:
+        _same(got[1], [_t(m) for m in members])
+    assert torch.equal(got[2], _t(last) + 1000 * members.index(g))
+    assert torch.equal(got[3], _t(last))
+
+
+def _sub_groups():
+    import torch.distributed as td
+
+    from distkit.utils import get_group
+
+    rank, size = world()
+    assert size == 3
+    get_group([1, 2])  # created on every rank before compiling
+    get_group([2, 0])  # its group ranks follow the global order: 0, then 2
+    made = td.new_group([1, 2])
+    try:
+        if rank in (1, 2):
+            _check_group([1, 2], [1, 2])
+            _check_group(made, [1, 2])
+        if rank in (0, 2):
+            _check_group([2, 0], [0, 2])
+    finally:
+        td.destroy_process_group(made)
+    torch._dynamo.reset()
+
+
+def test_sub_groups_trace_with_group_ranks():
+    # 3 ranks: group [1, 2] numbers global rank 2 as 1, which a global src would miss
+    in_fresh_world(_sub_groups, 3, timeout=COMPILE_TIMEOUT)
+
+
+def _mesh_dimensions():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, _ = world()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = [rank % 2, 2 + rank % 2]  # row-major: rank = 2 * dp + tp
+    tp = [rank - rank % 2, rank - rank % 2 + 1]
+    for group, members in ((mesh["dp"], dp), ((mesh, "tp"), tp), ((mesh, 0), dp)):
+        _check_group(group, members)
+    torch._dynamo.reset()
+
+
+def test_mesh_dimensions_trace_with_group_ranks():
+    # a world of its own: the mesh's groups must not reach the shared pools (conftest)
+    in_fresh_world(_mesh_dimensions, 4, timeout=COMPILE_TIMEOUT)
+
+
+# -- every dtype eager moves: compiled results equal eager ones, bit for bit --------------
+
+_FLOAT8 = [
+    getattr(torch, name)
+    for name in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(torch, name)
+]
+_FLOAT4 = [getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n)]
+#: every dtype the eager collectives accept on gloo (gloo itself refuses int16, the wide
+#: unsigned types, float8 and float4, which distkit carries: see distkit.dist._gloo)
+EVERY_DTYPE = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.uint16,
+    torch.int32,
+    torch.uint32,
+    torch.int64,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex32,
+    torch.complex64,
+    torch.complex128,
+    *_FLOAT8,
+    *_FLOAT4,
+]
+
+
+def _ops_of(dtype: torch.dtype) -> tuple[str, ...]:
+    """The ops :func:`distkit.dist.all_reduce` accepts for ``dtype`` (float4: none)."""
+    if dtype in _FLOAT4:
+        return ()
+    if dtype is torch.complex32:  # torch cannot divide it on the CPU: eager's mean fails too
+        return ("sum",)
+    if dtype.is_complex:
+        return ("sum", "mean")
+    ops = ("sum", "mean", "max", "min", "product")
+    return ops if dtype.is_floating_point else (*ops, "band", "bor", "bxor")
+
+
+def _of(dtype: torch.dtype, rank: int, n: int) -> torch.Tensor:
+    """``n`` values of ``dtype`` that depend on ``rank`` (signed types get negatives)."""
+    i = torch.arange(n) + 3 * rank
+    if dtype is torch.bool:
+        return i % 3 != 0
+    if dtype in _FLOAT4:  # no arithmetic: from its bytes
+        return (i % 251).to(torch.uint8).view(dtype)
+    if dtype == getattr(torch, "float8_e8m0fnu", None):  # powers of two only
+        return (2.0 ** (i % 5)).to(dtype)
+    values = (i % 7 + 1).to(torch.float32)
+    if dtype.is_signed:
+        values = values * (1 - 2 * (i % 2))
+    return values.to(dtype)
+
+
+def _every_traced_call(t, flat, ops):
+    size = dist.get_world_size()
+    out = []
+    for op in ops:
+        out.append(dist.all_reduce(t.clone(), op=op))
+        if t.dtype is not torch.complex32:  # torch has no CPU sum of it: eager fails too
+            out.append(dist.reduce_scatter(flat, op=op))
+            out.append(dist.reduce_scatter(list(flat.chunk(size)), op=op))
+    out.append(dist.all_gather(t, same_shape=True))
+    out.append(dist.all_to_all_single(flat))
+    out.append(dist.all_to_all_single(flat, [2] * size, [2] * size))
+    out.append(dist.broadcast(t.clone(), src=size - 1))
+    out.append(dist.broadcast(t.clone(), src=0))
+    if ops:
+        dist.all_reduce(t, op=ops[0])  # in place, on the caller's tensor
+    return out
+
+
+def _same_bits(got, expected) -> None:
+    if isinstance(expected, (list, tuple)):
+        assert type(got) is type(expected) and len(got) == len(expected)
+        for g, e in zip(got, expected):
+            _same_bits(g, e)
+        return
+    assert got.dtype == expected.dtype and got.shape == expected.shape, (got, expected)
+    if got.dtype is torch.bool:  # by value: gloo's sum of bools leaves bytes of 2 eagerly
+        got, expected = got.to(torch.uint8), expected.to(torch.uint8)
+    g, e = got.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)
+    assert torch.equal(g, e), (got.view(torch.uint8), expected.view(torch.uint8))
+
+
+@ranks(0, 1, 2, 3, timeout=COMPILE_TIMEOUT)
+@pytest.mark.parametrize("dtype", EVERY_DTYPE, ids=str)
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_every_dtype_compiles_to_the_eager_result(dtype):
+    rank, size = world()
+    ops = _ops_of(dtype)
+    t, flat = _of(dtype, rank, 4), _of(dtype, 100 + rank, 4 * size).view(2 * size, 2)
+    eager_in = [t.clone(), flat.clone()]
+    expected = _every_traced_call(*eager_in, ops)
+    compiled_in = [t.clone(), flat.clone()]
+    got = _compiled(_every_traced_call)(*compiled_in, ops)
+    _same_bits(got, expected)
+    _same_bits(compiled_in, eager_in)
+    if dtype in _FLOAT4 and dist.is_distributed():  # no arithmetic: the eager TypeError
+        for reduce, x in ((dist.all_reduce, t), (dist.reduce_scatter, flat)):
+            with pytest.raises(TypeError, match="cannot be reduced") as eager:
+                reduce(x.clone())
+            with pytest.raises(Exception) as strict:  # fullgraph: torch wraps it
+                _compiled(reduce)(x.clone())
+            assert str(eager.value) in str(strict.value)
+    torch._dynamo.reset()

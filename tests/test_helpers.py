@@ -154,3 +154,36 @@ def test_collect_results_shows_progress_on_the_receiver_only():
         mp.setattr(evaluation, "track", recording_track)
         dist.collect_results([rank] * 10, 10 * size, dst=size - 1)
     assert calls == ([("collect_results", 1.0)] if rank == size - 1 else [])
+
+
+@ranks(*WORLDS)
+def test_all_reduce_dict_says_which_key_has_which_dtype_on_which_rank():
+    rank, size = world()
+    # the same keys everywhere; "loss" is float16 on rank 1 only
+    data = {"loss": torch.tensor(1.0, dtype=torch.float16 if rank == 1 else torch.float32)}
+    data["n"] = torch.tensor(rank)
+    if size < 2:  # one rank: nothing to disagree with
+        assert dist.all_reduce_dict(data) is data and data["n"].item() == 0
+        return
+    others = ", ".join(str(r) for r in range(size) if r != 1)
+    with pytest.raises(ValueError) as info:
+        dist.all_reduce_dict(data)
+    msg = str(info.value)
+    where = f"rank {others}" if size == 2 else f"ranks {others}"
+    assert f"data['loss'] is torch.float32 on {where} and torch.float16 on rank 1" in msg
+    assert (
+        "Give data['loss'] one dtype on every rank: cast it before the call, e.g. "
+        "data['loss'] = data['loss'].to(torch.float32)"
+    ) in msg
+    assert "missing" not in msg and "add the missing ones" not in msg  # no key is missing
+    assert f"(on rank {rank} of {size})" in msg
+    # shapes: said as such; keys: the missing key and the ranks without it
+    with pytest.raises(ValueError, match=r"data\['v'\] has shape \(2,\) on rank") as info:
+        dist.all_reduce_dict({"v": torch.ones(2 if rank == 0 else 3)})
+    assert "one shape on every rank" in str(info.value) and "cast it" not in str(info.value)
+    lacking = ", ".join(str(r) for r in range(1, size))
+    with pytest.raises(ValueError, match=rf"key 'b' is missing on ranks? {lacking}\b") as info:
+        dist.all_reduce_dict({"a": torch.ones(1), **({"b": torch.ones(1)} if rank == 0 else {})})
+    assert "add the missing ones" in str(info.value) and "cast it" not in str(info.value)
+    same = dist.all_reduce_dict({"loss": torch.tensor(1.0)})  # every rank still in step
+    assert same["loss"].item() == size

@@ -9,6 +9,16 @@ through ``is_conj()`` and friends. Results and aliasing are the eager backend's:
 compiler turns into an in-place update) and return it; a list result holds the caller's
 own tensor at this rank's index; new tensors carry no autograd history.
 
+``src`` and ``dst`` are group ranks here, as the functional collectives take them
+(they index ``pg``'s own ranks), never global ranks.
+
+Every dtype travels as the eager backend sends it: complex tensors as their real pairs
+(``torch.view_as_real``, as ``torch.distributed`` sends them); on gloo groups, the
+dtypes gloo refuses (int16, the unsigned types wider than uint8, float8, float4) take
+the conversions of :mod:`distkit.dist._gloo`, traced: reductions run in the wider dtype
+of :data:`~distkit.dist._gloo.WIDER` and are narrowed back once (so sums wrap and float8
+rounds exactly as eagerly), everything else moves their bytes.
+
 What needs a value only known at run time (the shapes of an uneven ``all_gather``, the
 sizes of ``all_to_all_single`` without ``output_split_sizes``), pickles objects, blocks
 (``barrier``) or returns a handle (``async_op=True``) runs eagerly instead, through
@@ -18,12 +28,14 @@ clean graph break whose reason names distkit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
+from distkit._compat import backend_name
 from distkit.dist._backend import Backend, ObjectCall, Result
+from distkit.dist._gloo import AS_BYTES, WIDER, _as_bytes, _from_bytes, _narrow, _packed, _wide
 
 if TYPE_CHECKING:
     from distkit.dist._comm import Comm, TracedComm
@@ -47,6 +59,51 @@ def _input(t: Tensor) -> Tensor:
     """``t`` as a collective's input: untracked and contiguous."""
     t = t.detach()
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _carried(comm: Comm, dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` travels in another dtype on ``comm``'s group, as the eager
+    backend decides it (:class:`~distkit.dist._gloo.GlooBackend` runs on gloo groups)."""
+    return dtype in AS_BYTES and "gloo" in backend_name(comm.pg)
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _moved(comm: Comm, x: Tensor) -> Tensor:
+    """``x`` (an input) as it travels when nothing reduces it: a complex tensor as its
+    real pairs (as ``torch.distributed`` sends it), a dtype gloo refuses as its bytes."""
+    if x.is_complex():
+        return torch.view_as_real(x.resolve_conj())
+    return _as_bytes(x) if _carried(comm, x.dtype) else x
+
+
+def _arrived(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A tensor :func:`_moved` sent, read back as ``dtype``."""
+    if t.dtype == dtype:
+        return t
+    return torch.view_as_complex(t) if dtype.is_complex else _from_bytes(t, dtype)
+
+
+def _reduced_in(
+    fn: str, comm: Comm, x: Tensor, op: Op
+) -> tuple[Tensor, Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+    """How ``x`` (an input) travels to be reduced, as the eager backend sends it.
+
+    Returns the tensor to send; how a received one reads as ``x``'s values, before it is
+    reduced or averaged (complex: from its real pairs); and how the result returns to
+    ``x``'s dtype (a dtype gloo refuses is reduced wider, see
+    :func:`distkit.dist._gloo._wide`, and narrowed once at the end).
+    """
+    if x.is_complex():
+        return torch.view_as_real(x.resolve_conj()), torch.view_as_complex, _same
+    if not _carried(comm, x.dtype):
+        return x, _same, _same
+    if x.dtype not in WIDER:
+        _packed(fn, comm, x.dtype)
+    wide, flipped = _wide(x, op)
+    return wide, _same, lambda out: _narrow(out, x.dtype, flipped)
 
 
 def _mean(total: Tensor, size: int) -> Tensor:
@@ -85,10 +142,11 @@ class TracedBackend(Backend):
             return _eager(comm).eager("all_reduce", data, op, async_op)
         import torch.distributed._functional_collectives as fc
 
-        out = fc.all_reduce(_input(data), _FUNCTIONAL_OPS[op.name], comm.pg)
+        sent, read, narrow = _reduced_in("all_reduce", comm, _input(data), op)
+        out = read(fc.all_reduce(sent, _FUNCTIONAL_OPS[op.name], comm.pg))
         if op.divide:
             out = _mean(out, comm.size)
-        data.detach().copy_(out)
+        data.detach().copy_(narrow(out))
         return data
 
     def all_gather(
@@ -98,19 +156,20 @@ class TracedBackend(Backend):
             return _eager(comm).eager("all_gather", data, async_op, same_shape)
         import torch.distributed._functional_collectives as fc
 
-        flat = _input(data).reshape(1, -1)
-        out = fc.all_gather_tensor(flat, 0, comm.pg)
-        rows = out.view(comm.size, *data.shape).unbind(0)
-        return [data if r == comm.rank else rows[r] for r in range(comm.size)]
+        sent = _moved(comm, _input(data))
+        out = fc.all_gather_tensor(sent.reshape(1, -1), 0, comm.pg)
+        rows = out.view(comm.size, *sent.shape).unbind(0)
+        return [data if r == comm.rank else _arrived(rows[r], data.dtype) for r in range(comm.size)]
 
     def broadcast(self, comm: Comm, data: Tensor, src: int, async_op: bool) -> Result[Tensor]:
         if async_op or comm.pg is None:
             return _eager(comm).eager("broadcast", data, src, async_op)
         import torch.distributed._functional_collectives as fc
 
-        out = fc.broadcast(_input(data), comm.global_rank(src), comm.pg)
+        # src is a group rank, as every functional collective takes it (it indexes pg)
+        out = fc.broadcast(_moved(comm, _input(data)), src, comm.pg)
         if comm.rank != src:
-            data.detach().copy_(out)
+            data.detach().copy_(_arrived(out, data.dtype))
         return data
 
     def reduce_scatter(
@@ -122,16 +181,18 @@ class TracedBackend(Backend):
 
         size = comm.size
         # as the eager backend on the CPU: chunk r goes to rank r, which reduces locally
-        buf = torch.stack([_input(t) for t in data]) if isinstance(data, list) else _input(data)
+        parts = data if isinstance(data, list) else [data]
+        sent = [_reduced_in("reduce_scatter", comm, _input(t), op) for t in parts]
+        _, read, narrow = sent[0]
+        buf = torch.stack([s for s, _, _ in sent]) if isinstance(data, list) else sent[0][0]
         chunk_shape = (buf.shape[0] // size, *buf.shape[1:])
         if isinstance(data, list):
             chunk_shape = tuple(buf.shape[1:])
-        flat = buf.reshape(size, -1)
-        received = fc.all_to_all_single(flat, None, None, comm.pg)
-        out = _reduce_locally(received.view(size, *chunk_shape), op.name)
+        received = fc.all_to_all_single(buf.reshape(size, -1), None, None, comm.pg)
+        out = _reduce_locally(read(received.view(size, *chunk_shape)), op.name)
         if op.divide:
             out = _mean(out, size)
-        return out
+        return narrow(out)
 
     def all_to_all_single(
         self,
@@ -147,7 +208,9 @@ class TracedBackend(Backend):
             )
         import torch.distributed._functional_collectives as fc
 
-        return fc.all_to_all_single(_input(data), output_split_sizes, input_split_sizes, comm.pg)
+        sent = _moved(comm, _input(data))
+        out = fc.all_to_all_single(sent, output_split_sizes, input_split_sizes, comm.pg)
+        return _arrived(out, data.dtype)
 
     # -- eager, between graphs ------------------------------------------------------------
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -50,13 +51,68 @@ def _layout(data: Mapping[Any, Tensor], keys: list[Any]) -> list[str]:
     return [f"{k!r}: {data[k].dtype} {tuple(data[k].shape)}" for k in keys]
 
 
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _by_value(values: dict[int, Any]) -> str:
+    """``{rank: value}`` as ``a on ranks 0, 2 and b on rank 1`` (first seen first)."""
+    groups: dict[str, list[int]] = {}
+    for rank, value in values.items():
+        groups.setdefault(str(value), []).append(rank)
+    parts = [f"{value} on {_ranks(ranks)}" for value, ranks in groups.items()]
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _promoted(names: list[str]) -> Optional[str]:
+    """The dtype torch promotes the named dtypes to, or ``None`` (float8 has no promotion)."""
+    try:
+        common = functools.reduce(torch.promote_types, [getattr(torch, n[6:]) for n in names])
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return str(common)
+
+
+def _differences(layouts: list[list[tuple[str, str, tuple]]]) -> tuple[list[str], list[str]]:
+    """What differs between the ranks' layouts (``(key repr, dtype, shape)`` per key),
+    key by key, and what to do about each kind of difference."""
+    per_key: dict[str, dict[int, tuple[str, tuple]]] = {}
+    for rank, layout in enumerate(layouts):
+        for key, dtype, shape in layout:
+            per_key.setdefault(key, {})[rank] = (dtype, shape)
+    problems, fixes = [], []
+    every = range(len(layouts))
+    missing = {k: [r for r in every if r not in held] for k, held in per_key.items()}
+    missing = {k: lacking for k, lacking in missing.items() if lacking}
+    for key, lacking in missing.items():
+        problems.append(f"key {key} is missing on {_ranks(lacking)}")
+    if missing:
+        fixes.append("Every rank must reduce the same keys (add the missing ones, e.g. as zeros)")
+    dtypes = {k: {r: d for r, (d, _) in held.items()} for k, held in per_key.items()}
+    dtypes = {k: found for k, found in dtypes.items() if len(set(found.values())) > 1}
+    for key, found in dtypes.items():
+        problems.append(f"data[{key}] is {_by_value(found)}")
+        fix = f"Give data[{key}] one dtype on every rank: cast it before the call"
+        common = _promoted(sorted(set(found.values())))
+        if common:
+            fix += f", e.g. data[{key}] = data[{key}].to({common}) (what they promote to)"
+        fixes.append(fix)
+    shapes = {k: {r: s for r, (_, s) in held.items()} for k, held in per_key.items()}
+    shapes = {k: seen for k, seen in shapes.items() if len(set(seen.values())) > 1}
+    for key, seen in shapes.items():
+        problems.append(f"data[{key}] has shape {_by_value(seen)}")
+    if shapes:
+        fixes.append("Give each key one shape on every rank (its values add up element by element)")
+    return problems, fixes
+
+
 def _same_layout(data: Mapping[Any, Tensor], keys: list[Any], comm: Comm, fn: str) -> None:
     """Check that every rank holds the same keys, dtypes and shapes; raise on every rank.
 
     Different keys would otherwise line up silently (rank 0's ``b`` added to rank 1's
     ``c``) or hang. One 16-byte all_reduce of a digest of the layout, whose maximum and
     minimum agree only if every rank's digest does; only on a mismatch does a second
-    round gather the layouts, to say which rank holds what.
+    round gather the layouts, to say which key differs how, on which rank.
     """
     layout = _layout(data, keys)
     digest = hashlib.blake2b("\n".join(layout).encode(), digest_size=7).digest()
@@ -65,14 +121,20 @@ def _same_layout(data: Mapping[Any, Tensor], keys: list[Any], comm: Comm, fn: st
     all_reduce(check, "max", comm.pg)
     if check.tolist() == [value, -value]:
         return
-    layouts = all_gather_object(layout, comm.pg)
-    listing = "\n".join(f"  rank {r}: {{{', '.join(lay)}}}" for r, lay in enumerate(layouts))
+    mine = [(repr(k), str(data[k].dtype), tuple(data[k].shape)) for k in keys]
+    layouts = all_gather_object(mine, comm.pg)
+    problems, fixes = _differences(layouts)
+    listing = "\n".join(
+        f"  rank {r}: {{{', '.join(f'{k}: {d} {s}' for k, d, s in lay)}}}"
+        for r, lay in enumerate(layouts)
+    )
     _args.fail(
         ValueError,
         fn,
         comm,
-        f"the ranks passed dicts with different keys, dtypes or shapes:\n{listing}\n",
-        "Every rank must reduce the same keys (add the missing ones, e.g. as zeros)",
+        "the ranks passed dicts with different keys, dtypes or shapes: "
+        f"{'; '.join(problems)}\n{listing}\n",
+        ". ".join(fixes),
     )
 
 
@@ -89,8 +151,8 @@ def all_reduce_dict(
     and the dict is returned. Values are flattened into one buffer per dtype and device,
     so ten metrics cost one all_reduce, not ten, plus one 16-byte all_reduce first that
     checks every rank holds the same keys, dtypes and shapes (else every rank raises
-    ``ValueError`` listing each rank's keys, rather than adding one rank's ``b`` to
-    another's ``c``).
+    ``ValueError`` saying which key is missing, or has which dtype or shape, on which
+    rank, and what to do, rather than adding one rank's ``b`` to another's ``c``).
 
     Args:
         data: Metric name to tensor (any shapes).
