@@ -72,6 +72,15 @@ def test_debug_shapes_that_must_match():
 
 
 @ranks(2, 3)
+def test_debug_same_shape_promises_that_do_not_hold():
+    rank, _ = world()
+    text = mismatch(lambda: dist.gather(torch.ones(rank + 1), same_shape=True))
+    assert "gather(data=" in text and "They must agree on: data.shape" in text
+    text = mismatch(lambda: dist.all_gather(torch.ones(rank + 1), same_shape=True))
+    assert "They must agree on: data.shape" in text
+
+
+@ranks(2, 3)
 def test_debug_different_src_and_dst():
     rank, _ = world()
     text = mismatch(lambda: dist.broadcast(torch.ones(1), src=rank % 2))

@@ -38,6 +38,7 @@ from distkit.dist.tensor import reduce as reduce
 from distkit.dist.tensor import reduce_scatter as reduce_scatter
 from distkit.dist.tensor import scatter as scatter
 from distkit.dist.timeouts import CollectiveTimeoutError as CollectiveTimeoutError
+from distkit.dist.timeouts import RankGoneError as RankGoneError
 from distkit.dist.world import get_backend as get_backend
 from distkit.dist.world import get_default_group as get_default_group
 from distkit.dist.world import get_dist_info as get_dist_info

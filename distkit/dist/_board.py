@@ -180,7 +180,8 @@ def _hooks() -> None:
 
     def excepthook(kind: Any, value: Any, tb: Any) -> None:
         note_exception(value)
-        note_exit("raised")  # now: the ranks waiting for this one need not wait for exit
+        if not hasattr(sys, "ps1"):  # not at a REPL's prompt, where the process goes on
+            note_exit("raised")  # now: the ranks waiting for it need not wait for its exit
         previous(kind, value, tb)
 
     sys.excepthook = excepthook

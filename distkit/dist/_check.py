@@ -97,11 +97,8 @@ def _digest(public: str, must: dict, bits: int) -> int:
 
 
 def _add(board: Board, key: str, digest: int, size: int) -> Optional[str]:
-    """Add this rank's digest; return the total if this rank was the last, else None.
-
-    The last rank publishes the total at ``key/done``, and deletes its previous check's
-    keys on the group: every rank has left that one, since every rank reached this one.
-    """
+    """Add this rank's digest; return the total if this rank was the last (it publishes
+    it at ``key/done``), else None."""
     count_bits, _ = _plan(size)
     total = board.add(key, (digest << count_bits) + 1)
     count = total & ((1 << count_bits) - 1)
@@ -164,7 +161,7 @@ def run(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
         total = _add(board, key, digest, size)
         if total is None:
             total = _await(board, key, comm, facts, public, seq)
-        else:
+        else:  # every rank reached this check, so every rank has left its previous one
             _forget(board, facts.last_check)
         facts.last_check = key
     finally:

@@ -32,7 +32,7 @@ from distkit.dist import _board, _check, debug
 from distkit.utils.groups import group_ranks
 
 #: Seconds between two rounds of the watchdog.
-TICK = 0.25
+TICK = 0.5
 
 
 class _Watchdog:
@@ -277,14 +277,13 @@ def ensure(table: dict[int, Any]) -> None:
     """Start this process's watchdog unless it runs (it ends when no world is left, and
     a forked child has none of its parent's threads); ``table`` holds the facts of every
     group the collectives know (``distkit.dist._comm._FACTS``)."""
-    global _started, _table
+    global _started, _table, _running
     _table = table
     if _started == os.getpid():
         return
     with _start_lock:
         if _started == os.getpid():
             return
-        global _running
         if _running is None:
             atexit.register(_stop_at_exit)
         _started = os.getpid()

@@ -173,8 +173,8 @@ def signature(name: str, args: dict[str, Any]) -> tuple[str, dict, dict]:
     if serializer is not None:
         fields["serializer"] = serializer
     must = MUST_MATCH[name]
-    if name == "all_gather" and fields.get("same_shape"):
-        must = (*must, "data.shape")
+    if name in ("all_gather", "gather") and fields.get("same_shape"):
+        must = (*must, "data.shape")  # the promise: gloo aborts dst's process if broken
     if name in ("reduce_scatter", "all_to_all") and isinstance(fields.get("data"), dict):
         if "shape" in fields["data"]:  # reduce_scatter of one tensor: same shape everywhere
             must = (*must, "data.shape")
