@@ -33,6 +33,7 @@ import torch
 import torch.distributed as td
 
 import distkit.dist as dist
+from distkit import _settings
 from distkit._compat import all_gather_single, reduce_scatter_single
 
 MiB = 1024 * 1024
@@ -358,6 +359,16 @@ def _debug_cases(rank: int, size: int, quick: bool) -> list[tuple]:
 
         return run
 
+    def unchecked(call: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            _settings.set("check", False)
+            try:
+                return call()
+            finally:
+                _settings.set("check", True)
+
+        return run
+
     calls = [
         ("all_reduce of 4 floats", lambda: dist.all_reduce(small)),
         ("all_reduce of 1 MiB", lambda: dist.all_reduce(big)),
@@ -367,6 +378,11 @@ def _debug_cases(rank: int, size: int, quick: bool) -> list[tuple]:
     for label, call in calls:
         case = Case(f"debug mode: {label}", "debug", "(information)", "debug", 0.0)
         rows.append((case, {"distkit": debugged(call), "debug off": call}, None))
+    # the default check (on unless DISTKIT_CHECK=0): the first calls at a call site, then
+    # one in 1024; what it costs a loop, amortized, against the same loop without it
+    for label, call in calls[:2]:
+        case = Case(f"default check: {label}", "check", "(information)", "check", 0.0)
+        rows.append((case, {"distkit": call, "check off": unchecked(call)}, None))
     return rows
 
 
@@ -563,7 +579,7 @@ def verdict(row: dict) -> tuple[dict, str]:
     sec, case = row["seconds"], row["case"]
     ours = sec["distkit"]
     ratios = {name: t / ours for name, t in sec.items() if name != "distkit"}
-    if case["check"] in ("info", "debug"):
+    if case["check"] in ("info", "debug", "check"):
         return ratios, "-"
     if case["check"] == "vs":
         if not ratios:  # no peer ran here (see the row's missing reasons)
@@ -583,7 +599,21 @@ def tables(rows: list[dict], noop: list[dict], world: int) -> list[Table]:
     """The report as plain tables; :func:`report` and :func:`markdown` render them."""
     out: list[Table] = []
     debug = [r for r in rows if r["case"]["check"] == "debug"]
-    rows = [r for r in rows if r["case"]["check"] != "debug"]
+    checked = [r for r in rows if r["case"]["check"] == "check"]
+    rows = [r for r in rows if r["case"]["check"] not in ("debug", "check")]
+    if checked:
+        cells = []
+        for row in checked:
+            off, on = row["seconds"]["check off"], row["seconds"]["distkit"]
+            name = row["case"]["name"].replace("default check: ", "")
+            cells.append([name, _fmt_s(off), _fmt_s(on), f"{on / off:.3f}x"])
+        out.append(
+            (
+                "the default check (DISTKIT_CHECK=0 turns it off): a loop of calls",
+                ["call (default check)", "check off", "check on (default)", "on / off"],
+                cells,
+            )
+        )
     if debug:
         cells = []
         for row in debug:
@@ -676,7 +706,14 @@ def tables(rows: list[dict], noop: list[dict], world: int) -> list[Table]:
     return out
 
 
-_LEFT = {"case", "call (debug mode)", "call (no process group)", "target", "met"}
+_LEFT = {
+    "case",
+    "call (debug mode)",
+    "call (default check)",
+    "call (no process group)",
+    "target",
+    "met",
+}
 
 
 def report(rows: list[dict], noop: list[dict], world: int, file: Any = None) -> None:
