@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import distkit.dist as dist
 from distkit.local.hygiene import leftovers
@@ -88,6 +90,36 @@ def collective_calls(mark_async: bool = False):
                 if hasattr(module, name):
                     mp.setattr(module, name, counted(name, getattr(module, name)))
         yield calls
+
+
+@contextlib.contextmanager
+def debug_mode():
+    """Debug mode for the block, off again however the block ends."""
+    dist.set_debug(True)
+    try:
+        yield
+    finally:
+        dist.set_debug(False)
+
+
+def mismatch(call, debug: bool = True) -> str:
+    """Run ``call`` in debug mode (or with only the default check): it must raise
+    ``CollectiveMismatchError`` on this rank, listing every rank's call and call site, and
+    leave the group in step (nothing was half-sent). Returns the message."""
+    rank, size = world()
+    start = time.monotonic()
+    with debug_mode() if debug else contextlib.nullcontext():
+        with pytest.raises(dist.CollectiveMismatchError) as info:
+            call()
+    assert time.monotonic() - start < 10, "raised only after waiting on the other ranks"
+    text = str(info.value)
+    how = f"(debug mode; on rank {rank} of {size})" if debug else "found by distkit's default check"
+    assert how in text, text
+    for r in range(size):
+        assert f"  rank {r}: " in text, f"rank {r}'s call is not listed"
+    assert text.count("tests/test_") >= size, "every rank's call site is named"
+    assert dist.all_reduce(torch.ones(1)).item() == size  # the group still works
+    return text
 
 
 def in_fresh_world(body, size: int, timeout: float = 300.0) -> list:

@@ -6,29 +6,12 @@ import time
 
 import pytest
 import torch
-from conftest import world
+from conftest import debug_mode, mismatch, world
 
 import distkit.dist as dist
 from distkit import _settings
 from distkit.testing import ranks
 from distkit.utils import get_group
-
-
-def mismatch(call) -> str:
-    """Run ``call`` in debug mode; it must fail on this rank with a mismatch report."""
-    dist.set_debug(True)
-    with pytest.raises(dist.CollectiveMismatchError) as info:
-        call()
-    dist.set_debug(False)
-    text = str(info.value)
-    rank, size = world()
-    assert f"(debug mode; on rank {rank} of {size})" in text
-    for r in range(size):
-        assert f"  rank {r}: " in text, f"rank {r}'s call is not listed"
-    assert "tests/test_debug.py:" in text, "call sites are named"
-    # nothing was half-sent: the group still works
-    assert dist.all_reduce(torch.ones(1)).item() == size
-    return text
 
 
 @ranks(2, 3)
@@ -92,8 +75,7 @@ def test_debug_different_src_and_dst():
 @ranks(1, 2, 3)
 def test_debug_mode_accepts_what_may_legitimately_differ():
     rank, size = world()
-    dist.set_debug(True)
-    try:
+    with debug_mode():
         out = dist.all_gather(torch.ones(rank + 1))  # uneven shapes are allowed here
         assert [t.numel() for t in out] == [r + 1 for r in range(size)]
         rows = dist.all_to_all([torch.ones(rank + d + 1) for d in range(size)])
@@ -106,8 +88,6 @@ def test_debug_mode_accepts_what_may_legitimately_differ():
         stats = dist.all_reduce_dict({"loss": torch.tensor(1.0), "n": torch.tensor(2)})
         assert stats["n"].item() == 2 * size
         assert dist.collect_results([rank], size, dst=None) == list(range(size))
-    finally:
-        dist.set_debug(False)
 
 
 @ranks(3, timeout=60)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import WORLDS, world
+from conftest import WORLDS, debug_mode, mismatch, world
 
 import distkit.dist as dist
 from distkit.testing import ranks
@@ -123,14 +123,6 @@ def test_all_reduce_dict_with_different_keys_raises_on_every_rank():
     assert same["a"].item() == size
 
 
-def mismatch(call) -> str:
-    dist.set_debug(True)
-    try:
-        return raised(dist.CollectiveMismatchError, call)
-    finally:
-        dist.set_debug(False)
-
-
 @ranks(2, 3)
 def test_debug_mode_catches_inconsistent_all_to_all_single_splits():
     rank, size = world()
@@ -143,12 +135,9 @@ def test_debug_mode_catches_inconsistent_all_to_all_single_splits():
     uneven = torch.arange(size * (rank + 1))
     mismatch(lambda: dist.all_to_all_single(uneven))
     # what is consistent passes
-    dist.set_debug(True)
-    try:
+    with debug_mode():
         out = dist.all_to_all_single(torch.arange(size) + 10 * rank)
-        assert out.tolist() == [10 * s + rank for s in range(size)]
-    finally:
-        dist.set_debug(False)
+    assert out.tolist() == [10 * s + rank for s in range(size)]
 
 
 @ranks(2, 3)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as td
-from conftest import collective_calls, world
+from conftest import collective_calls, debug_mode, world
 from torch.overrides import TorchFunctionMode
 
 import distkit.dist as dist
@@ -55,11 +55,8 @@ def test_other_calls_take_the_checked_path():
     assert negated == checked
     # dtypes gloo does not sum natively are converted by the checked path
     assert _summed(lambda r: torch.tensor([r], dtype=torch.int8)) != []
-    dist.set_debug(True)
-    try:  # debug mode compares the ranks' calls first: the checked path does that
+    with debug_mode():  # debug mode compares the ranks' calls first: the checked path
         assert "all_reduce" in _summed(lambda r: torch.tensor([r + 1.0]))
-    finally:
-        dist.set_debug(False)
 
 
 @ranks(2, 3)

@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from conftest import world
+from conftest import mismatch, world
 from helpers_subprocess import script_env, torchrun
 
 import distkit.dist as dist
@@ -180,19 +180,12 @@ def test_a_script_that_forgets_init_dist_fails_on_every_rank(tmp_path):
 # -- the default check ----------------------------------------------------------------
 
 
-def _mismatch(call) -> str:
-    with pytest.raises(dist.CollectiveMismatchError) as info:
-        call()
-    dist.barrier()  # every rank raised before the backend ran: the group is in step
-    return str(info.value)
-
-
 @ranks(2, 3)
 def test_the_default_check_catches_a_dtype_mismatch_on_every_rank():
     rank, size = world()
     assert not dist.get_debug()
     x = torch.ones(4) if rank == 0 else torch.ones(4, dtype=torch.int32)
-    text = _mismatch(lambda: dist.all_reduce(x))
+    text = mismatch(lambda: dist.all_reduce(x), debug=False)
     assert "found by distkit's default check" in text
     assert "rank 0: all_reduce(data={'dtype': 'float32', 'shape': [4]}, op=sum) at " in text
     assert "rank 1: all_reduce(data={'dtype': 'int32', 'shape': [4]}, op=sum) at " in text
@@ -203,9 +196,9 @@ def test_the_default_check_catches_a_dtype_mismatch_on_every_rank():
 @ranks(2, 3)
 def test_the_default_check_catches_a_length_mismatch_before_gloo_aborts():
     rank, _ = world()
-    text = _mismatch(lambda: dist.all_reduce(torch.ones(4 + rank)))
+    text = mismatch(lambda: dist.all_reduce(torch.ones(4 + rank)), debug=False)
     assert "They must agree on: data.shape." in text
-    text = _mismatch(lambda: dist.broadcast(torch.ones(2 + rank)))
+    text = mismatch(lambda: dist.broadcast(torch.ones(2 + rank)), debug=False)
     assert "broadcast(data=" in text
 
 
@@ -219,7 +212,7 @@ def test_the_default_check_catches_a_skipped_collective_with_both_call_sites():
             dist.all_reduce(x)  # only rank 0
         dist.barrier()
 
-    text = _mismatch(step)
+    text = mismatch(step, debug=False)
     assert "rank 0: all_reduce(data={'dtype': 'float32', 'shape': [3]}, op=sum) at " in text
     assert "rank 1: barrier() at tests/test_safe_default.py:" in text
     assert "a rank that skips one (a branch on the rank, an early return)" in text
@@ -359,7 +352,8 @@ dist.init_dist({launcher!r})
 dist.all_reduce(torch.ones(1))
 if dist.get_rank() == 1:
     time.sleep(4)
-print("sum", dist.all_reduce(torch.ones(1)).item(), flush=True)
+total = dist.all_reduce(torch.ones(1)).item()
+print(f"sum {{total}}", flush=True)  # one write: the ranks share the pipe
 dist.destroy_dist()
 """
 
