@@ -24,8 +24,9 @@ nccl), with their own tag, so nothing else on the group can take them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, Optional
+import json
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Optional
 
 import torch
 import torch.distributed as td
@@ -33,6 +34,8 @@ from torch import Tensor
 
 from distkit.dist import _args, _wire
 from distkit.dist._torch_objects import _channels
+from distkit.dist.serializer import UnsafeObjectError
+from distkit.dist.timeouts import CollectiveTimeoutError
 
 if TYPE_CHECKING:
     from distkit.dist._backend import ObjectCall
@@ -40,6 +43,81 @@ if TYPE_CHECKING:
 
 REQUEST, DONE, FAILED, GO = 0, 1, 2, 3
 TAG = 0x5EA  # a tag of its own: no other point-to-point message of the group matches it
+#: Error codes past ``_args.REMOTE_ERRORS``: errors that keep their class on every rank.
+UNSAFE, TIMEOUT = 100, 101
+
+
+# -- errors that reach every rank --------------------------------------------------
+
+
+class Failure(NamedTuple):
+    """An error, as another rank raises it: the class (a code), and what to say."""
+
+    code: int  # an index in _args.REMOTE_ERRORS, UNSAFE or TIMEOUT
+    text: str  # the message, without its "fn: " prefix
+    culprit: int = -1  # the rank that sent a refused object (UNSAFE) or did not answer
+    name: str = ""  # the global the safe serializer refused (UNSAFE)
+
+    @classmethod
+    def of(cls, exc: BaseException, fn: str) -> Failure:
+        text = str(exc).removeprefix(f"{fn}: ")
+        if isinstance(exc, UnsafeObjectError):
+            return cls(UNSAFE, text, exc.rank, exc.global_name)
+        if isinstance(exc, CollectiveTimeoutError):
+            return cls(TIMEOUT, text, exc.missing[0] if exc.missing else -1)
+        return cls(_args.error_code(exc), text)
+
+    def encode(self, limit: int = 0) -> bytes:
+        """The failure as JSON, its text cut to fit in ``limit`` bytes if given."""
+        raw = json.dumps(list(self)).encode()
+        text = self.text
+        while limit and len(raw) > limit and text:
+            text = text[: len(text) // 2]
+            raw = json.dumps(list(self._replace(text=text + " ..."))).encode()
+        return raw[:limit] if limit else raw
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Failure:
+        try:
+            code, text, culprit, name = json.loads(raw.decode(errors="replace"))
+            return cls(int(code), str(text), int(culprit), str(name))
+        except (ValueError, TypeError):
+            return cls(len(_args.REMOTE_ERRORS) - 1, f"a malformed error report {raw[:200]!r}")
+
+    def raise_as(self, fn: str, comm: Comm, what: str) -> NoReturn:
+        """Raise ``what`` here, as an error of this failure's class."""
+        message = f"{fn}: {what} (on {_args.where(comm)})"
+        if self.code == UNSAFE:
+            raise UnsafeObjectError(message, self.culprit, self.name)
+        if self.code == TIMEOUT:
+            raise CollectiveTimeoutError(message, [self.culprit], {})
+        _args.remote_failure(self.code, fn, comm, what)
+
+
+def read_error(position: int, exc: BaseException) -> Failure:
+    """What the other ranks are told when ``results[position]`` could not be read."""
+    return Failure(
+        _args.error_code(exc), f"could not read results[{position}]: {type(exc).__name__}: {exc}"
+    )
+
+
+class ReadFailed(Exception):
+    """``results[position]`` raised ``error`` (never reaches users: the original does)."""
+
+    def __init__(self, position: int, error: BaseException) -> None:
+        super().__init__(position, error)
+        self.position = position
+        self.error = error
+
+
+def reading(results: Sequence, positions: Any = None) -> Iterator[Any]:
+    """``results[p]`` for each position (all by default), read one at a time."""
+    for p in range(len(results)) if positions is None else positions:
+        try:
+            item = results[p]
+        except Exception as exc:
+            raise ReadFailed(p, exc) from exc
+        yield item
 
 
 class Link:

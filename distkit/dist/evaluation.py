@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import struct
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from itertools import chain, zip_longest
 from types import TracebackType
@@ -15,8 +16,7 @@ from distkit.dist import _args, _stream, _wire
 from distkit.dist import serializer as _serializer
 from distkit.dist._backend import ObjectCall
 from distkit.dist._comm import Comm, GroupLike, resolve
-from distkit.dist.objects import all_gather_object, gather_object
-from distkit.dist.tensor import all_reduce
+from distkit.dist.objects import gather_object
 from distkit.utils.console import track
 
 ORDERS = ("interleaved", "contiguous")
@@ -231,7 +231,15 @@ def collect_results(
     Results that are ``None`` are kept. No temporary directory is ever used: results
     travel through the object collectives (tensors in them as raw bytes), in rounds of
     ``CHUNK_ITEMS`` results per rank; when that takes more than a second, the receiving
-    process shows a progress bar.
+    process shows a progress bar. ``results`` may be any sequence: one that is not a
+    list or tuple (a lazy dataset of predictions) is read one result at a time.
+
+    Each round ends with a small status from ``dst`` (from every rank with
+    ``dst=None``), so an error anywhere raises on every rank within seconds, and no rank
+    goes on to its next collective with a round left behind: a rank whose result cannot
+    be read or pickled raises its own error and the others one naming it; an object the
+    ``safe`` serializer refuses raises ``UnsafeObjectError`` on every rank, naming the
+    rank that sent it.
 
     Args:
         results: This rank's results, in the order it evaluated its samples.
@@ -258,12 +266,17 @@ def collect_results(
     Raises:
         TypeError: ``results`` is not a sequence, ``size`` not an int, ``sampler`` not a
             replayable sampler, an index is not an integer, or a result cannot be
-            pickled.
+            pickled (every rank raises).
         ValueError: Fewer than ``size`` results arrived, an index is out of range or
             missing, some ranks passed ``indices`` (or ``sampler``) and others did not
             (on ``dst``; every rank with ``dst=None``), ``order`` is unknown, ``indices``
             (or the sampler's) has the wrong length, or both ``indices`` and ``sampler``
             were given.
+        UnsafeObjectError: ``serializer="safe"`` refused what a rank sent (every rank
+            raises it, naming that rank).
+        RuntimeError: A rank could not read one of its results: that rank raises its
+            own error, the others a ``RuntimeError`` naming the rank, the index and the
+            error (or one of its class, for a ``TypeError`` or ``ValueError``).
 
     Examples:
         >>> import distkit.dist as dist
@@ -281,41 +294,149 @@ def collect_results(
     comm = resolve(group, fn)
     indices = _check(fn, comm, results, size, order, indices, sampler)
     if dst is not None:
-        _args.rank(dst, "dst", fn, comm)
-
-    # One tiny round tells every rank the longest shard, so all agree on the chunks.
-    longest = int(all_reduce(torch.tensor([len(results)]), "max", group).item())
-    steps: Iterable[int] = range(max(1, -(-longest // CHUNK_ITEMS)))
-    receiver = comm.rank == dst or dst is None
+        dst = _args.rank(dst, "dst", fn, comm)
+    call = ObjectCall(fn, None, _serializer.resolve(serializer, fn, comm))
+    collected = _Collected(comm, call, dst, results, indices)
+    steps: Iterable[int] = range(1, collected.step(0))  # the first round tells the rest
     if comm.rank == (dst or 0):
         steps = track(steps, "collect_results", delay=1.0, main_only=False)
-    parts: list[list] = [[] for _ in range(comm.size)]
-    index_parts: list[list] = [[] for _ in range(comm.size)]
     for step in steps:
-        window = slice(step * CHUNK_ITEMS, (step + 1) * CHUNK_ITEMS)
-        payload = (results[window], None if indices is None else indices[window])
-        gathered: Optional[list[Any]]
-        if dst is None:
-            gathered = all_gather_object(payload, group, serializer=serializer)
-        else:
-            gathered = gather_object(payload, dst, group, serializer=serializer)
-        if receiver:
-            assert gathered is not None
-            for r, (res, idx) in enumerate(gathered):
-                parts[r].extend(res)
-                if idx is not None:
-                    index_parts[r].extend(idx)
-    if not receiver:
+        collected.step(step)
+    if not collected.receiver:
         return None
-    # every rank sends indices (a list, empty for no results) or None in each chunk
-    passed = [idx is not None for _, idx in gathered or ()]
-    mixed = [r for r, p in enumerate(passed) if p != (indices is not None)]
+    mixed = [r for r, p in enumerate(collected.passed) if p != (indices is not None)]
     if mixed:
         who = f"dst (rank {comm.rank})" if dst is not None else f"rank {comm.rank}"
         raise _mixed(fn, comm, mixed[0], who)
     if indices is not None:
-        return _by_index(parts, index_parts, size, fn, comm)
-    return _ordered(parts, size, order, fn, comm)
+        return _by_index(collected.parts, collected.index_parts, size, fn, comm)
+    return _ordered(collected.parts, size, order, fn, comm)
+
+
+def _window(results: Sequence, start: int, stop: int) -> Sequence:
+    """``results[start:stop]``, read one result at a time unless it is a list or tuple
+    (a lazy sequence need not slice; a read that fails raises ``_stream.ReadFailed``)."""
+    if isinstance(results, (list, tuple)):
+        return results[start:stop]
+    return list(_stream.reading(results, range(start, min(stop, len(results)))))
+
+
+#: Bytes of the status every round of ``collect_results`` ends with (longer error
+#: messages are cut).
+STATUS_BYTES = 4096
+
+
+class _Collected:
+    """``collect_results``' rounds: each moves ``CHUNK_ITEMS`` results per rank, then a
+    status (how many rounds in all, or the error that stops the call) reaches every rank.
+
+    So every rank raises when one fails: a rank whose results cannot be read or pickled
+    raises its own error, ``dst`` (every rank with ``dst=None``) the error it found
+    (another rank's failure, an object its serializer refuses), and the others that
+    error, of the same class, "rank <dst> stopped the call: ...". Nobody goes on to its
+    next collective with a round left behind.
+    """
+
+    def __init__(
+        self,
+        comm: Comm,
+        call: ObjectCall,
+        dst: Optional[int],
+        results: Sequence,
+        indices: Optional[list[int]],
+    ) -> None:
+        self.comm, self.call, self.dst = comm, call, dst
+        self.results, self.indices = results, indices
+        self.receiver = dst is None or comm.rank == dst
+        self.parts: list[list] = [[] for _ in range(comm.size)]
+        self.index_parts: list[list] = [[] for _ in range(comm.size)]
+        self.passed: list[bool] = []  # which ranks passed indices (from the first round)
+
+    def step(self, step: int) -> int:
+        """Run round ``step``; the number of rounds in all."""
+        comm, call, fn, results = self.comm, self.call, self.call.fn, self.results
+        start, stop = step * CHUNK_ITEMS, (step + 1) * CHUNK_ITEMS
+        own: Optional[BaseException] = None  # this rank's error (raised here as it is)
+        found: Optional[BaseException] = None  # what this rank found wrong elsewhere
+        told: Optional[_stream.Failure] = None  # what the others hear of it
+        try:
+            items = _window(results, start, stop)
+            idx = None if self.indices is None else self.indices[start:stop]
+            payload: tuple = (items, idx, len(results), None)
+        except _stream.ReadFailed as failed:
+            own = failed.error
+            told = _stream.read_error(failed.position, failed.error)
+            told = told._replace(text=f"rank {comm.rank} {told.text}")
+            payload = ([], None, len(results), (told.code, told.text))
+        gathered: Optional[list[Any]] = None
+        try:
+            if self.dst is None:
+                gathered = comm.backend.all_gather_object(comm, payload, call)
+            else:
+                gathered = comm.backend.gather_object(comm, payload, self.dst, call)
+        except Exception as exc:  # the round is over on every rank: tell, then raise
+            if own is None:
+                own, told = exc, _stream.Failure.of(exc, fn)
+        rounds = 0
+        if gathered is not None:
+            try:
+                rounds = self._take(gathered, step)
+            except Exception as exc:  # a failure another rank sent
+                found = exc
+                told = told or _stream.Failure.of(exc, fn)
+        status = self._status(rounds, told)
+        if own is not None:
+            raise own
+        if found is not None:
+            raise found
+        if status[1] is not None:
+            culprit, failure = status[1]
+            failure.raise_as(fn, comm, f"rank {culprit} stopped the call: {failure.text}")
+        return status[0]
+
+    def _take(self, gathered: list[Any], step: int) -> int:
+        """Keep a round's results (on receivers); the number of rounds in all."""
+        comm, fn = self.comm, self.call.fn
+        for r, payload in enumerate(gathered):
+            failure = payload[3] if isinstance(payload, tuple) and len(payload) == 4 else None
+            if failure is not None and r != comm.rank:
+                code, text = failure
+                _stream.Failure(code, text).raise_as(fn, comm, text)
+        if step == 0:
+            self.passed = [idx is not None for _, idx, _, _ in gathered]
+        for r, (res, idx, _, _) in enumerate(gathered):
+            self.parts[r].extend(res)
+            if idx is not None:
+                self.index_parts[r].extend(idx)
+        longest = max(count for _, _, count, _ in gathered)
+        return max(1, -(-longest // CHUNK_ITEMS))
+
+    def _status(
+        self, rounds: int, failure: Optional[_stream.Failure]
+    ) -> tuple[int, Optional[tuple[int, _stream.Failure]]]:
+        """Share this round's outcome: ``dst``'s, or with ``dst=None`` every rank's
+        (then the first failure, by rank, counts). (rounds, (rank, failure) or None)."""
+        comm = self.comm
+        raw = bytearray(STATUS_BYTES)
+        text = b"" if failure is None else failure.encode(STATUS_BYTES - 16)
+        struct.pack_into("<2q", raw, 0, rounds, len(text))
+        raw[16 : 16 + len(text)] = text
+        mine = torch.frombuffer(raw, dtype=torch.uint8)
+        rows: dict[int, Tensor]
+        if self.dst is not None:
+            rows = {self.dst: comm.backend.broadcast(comm, mine, self.dst, False)}  # type: ignore[dict-item]
+        else:
+            everyone = comm.backend.all_gather(comm, mine, False, True)
+            rows = dict(enumerate(everyone))  # type: ignore[arg-type]
+        outcome: Optional[tuple[int, _stream.Failure]] = None
+        total = 0
+        for r, row in rows.items():
+            got = _wire.bytes_view(row.cpu().contiguous())
+            n_rounds, n = struct.unpack_from("<2q", got, 0)
+            total = max(total, n_rounds)
+            if n and outcome is None:
+                outcome = (r, _stream.Failure.decode(bytes(got[16 : 16 + min(n, STATUS_BYTES)])))
+        return total, outcome
 
 
 def _layout(
