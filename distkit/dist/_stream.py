@@ -205,10 +205,9 @@ class Plan(NamedTuple):
     indices: Optional[Tensor]  # int64: the dataset index of each result, if given
     failure: Optional[Failure]  # what went wrong here: then the rank raises its own error
     data: Optional[Tensor]  # uint8: every result, encoded together (small results only)
-    open_to: str = ""  # a stream to another dst still open here (refused)
 
 
-_HEAD = 7  # int64: count, flags, sizes, indices, failure bytes, data bytes, open_to bytes
+_HEAD = 6  # int64: count, flags, sizes, indices, failure bytes, data bytes
 _INDICES, _INLINE = 1, 2
 
 
@@ -218,13 +217,12 @@ def _bytes(t: Optional[Tensor]) -> memoryview:
 
 def _pack(plan: Plan) -> bytes:
     fail = plan.failure.encode() if plan.failure is not None else b""
-    other = plan.open_to.encode()
     sizes, idx, data = _bytes(plan.sizes), _bytes(plan.indices), _bytes(plan.data)
     flags = _INDICES if plan.indices is not None else 0
     flags |= _INLINE if plan.data is not None else 0
-    counts = (len(sizes) // 8, len(idx) // 8, len(fail), len(data), len(other))
+    counts = (len(sizes) // 8, len(idx) // 8, len(fail), len(data))
     head = struct.pack(f"<{_HEAD}q", plan.length, flags, *counts)
-    return b"".join([head, sizes, idx, fail, other, data])
+    return b"".join([head, sizes, idx, fail, data])
 
 
 def _unpack(buf: Tensor) -> Plan:
@@ -233,10 +231,10 @@ def _unpack(buf: Tensor) -> Plan:
     if n < 8 * _HEAD:
         raise ValueError(f"a plan of {n} bytes")
     head = list(struct.unpack_from(f"<{_HEAD}q", _wire.bytes_view(buf[: 8 * _HEAD])))
-    count, flags, n_sizes, n_idx, n_fail, n_data, n_other = head
+    count, flags, n_sizes, n_idx, n_fail, n_data = head
     if min(head) < 0 or n_sizes not in (0, count) or n_idx not in (0, count):
         raise ValueError(f"a plan whose header is {head}")
-    if 8 * (_HEAD + n_sizes + n_idx) + n_fail + n_data + n_other != n:
+    if 8 * (_HEAD + n_sizes + n_idx) + n_fail + n_data != n:
         raise ValueError(f"a plan of {n} bytes whose header is {head}")
     at = 8 * _HEAD
     sizes = buf[at : at + 8 * n_sizes].view(torch.int64)
@@ -245,15 +243,12 @@ def _unpack(buf: Tensor) -> Plan:
     at += 8 * n_idx
     fail = _wire.bytes_view(buf[at : at + n_fail]).tobytes()
     at += n_fail
-    other = _wire.bytes_view(buf[at : at + n_other]).tobytes().decode(errors="replace")
-    at += n_other
     return Plan(
         count,
         sizes if n_sizes == count and not flags & _INLINE else None,
         idx if flags & _INDICES else None,
         Failure.decode(fail) if n_fail else None,
         buf[at:] if flags & _INLINE else None,
-        other,
     )
 
 

@@ -710,7 +710,7 @@ def _plan(
         if indices is not None:
             mine = _int64(indices, size, fn, comm)
         data = None
-        if sum(sizes) <= inline_bytes:
+        if inline_bytes and sum(sizes) <= inline_bytes:
             data = _wire.encode(list(_stream.reading(results)), "results", fn, comm).cpu
     except _stream.ReadFailed as failed:
         failure = _stream.read_error(failed.position, failed.error)
