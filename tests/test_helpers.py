@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 import pytest
 import torch
 from conftest import WORLDS, world
@@ -187,3 +190,88 @@ def test_all_reduce_dict_says_which_key_has_which_dtype_on_which_rank():
     assert "add the missing ones" in str(info.value) and "cast it" not in str(info.value)
     same = dist.all_reduce_dict({"loss": torch.tensor(1.0)})  # every rank still in step
     assert same["loss"].item() == size
+
+
+class Lazy(Sequence):
+    """Results read on access (as from disk): reading ``bad`` fails from its read number
+    ``after + 1`` on (``after=0``: every read fails)."""
+
+    def __init__(self, items: list, bad: int = -1, after: int = 0) -> None:
+        self.items, self.bad, self.after = items, bad, after
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        item = self.items[i]
+        if i == self.bad:
+            self.reads += 1
+            if self.reads > self.after:
+                raise OSError(f"cannot read sample {i}")
+        return item
+
+
+@ranks(2, 3, timeout=20)
+def test_collect_results_a_result_that_cannot_be_read_stops_every_rank():
+    rank, size = world()
+    last = size - 1
+    for dst in (0, None):
+        results = Lazy([rank] * 3, bad=1 if rank == last else -1)
+        if rank == last:  # its own error, as its sequence raised it
+            with pytest.raises(OSError, match="cannot read sample 1"):
+                dist.collect_results(results, 3 * size, dst=dst)
+        else:  # the rank and the original error, within seconds (not the group's timeout)
+            named = f"rank {last} could not read results[1]: OSError: cannot read sample 1"
+            with pytest.raises(RuntimeError, match=re.escape(named)):
+                dist.collect_results(results, 3 * size, dst=dst)
+    assert dist.collect_results(Lazy([rank] * 2), 2 * size, dst=None) == [
+        r for _ in range(2) for r in range(size)
+    ]
+    assert dist.all_gather_object(rank) == list(range(size))
+
+
+class Point:  # a plain class: the safe serializer refuses it unless allowed
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+@ranks(2, 3, timeout=20)
+def test_collect_results_refused_in_a_later_round_raises_on_every_rank():
+    rank, size = world()
+    from distkit.dist import evaluation
+
+    last = size - 1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(evaluation, "CHUNK_ITEMS", 2)  # rounds of 2 results per rank
+        for dst in (0, last, None):
+            # the last rank's third result (round 2) is refused by every receiver; the
+            # ranks that decode nothing of it (the senders, the last rank itself) raise
+            # the same error, told by dst (by the ranks that refused it, with dst=None)
+            results = [rank, rank, Point(rank), rank] if rank == last else [rank] * 4
+            if dst == last:
+                continue  # dst decodes nothing of its own: nothing to refuse
+            refused = f"rank {last} sent an object that needs test_helpers.Point"
+            with pytest.raises(dist.UnsafeObjectError, match=refused) as info:
+                dist.collect_results(results, 4 * size, dst=dst, serializer="safe")
+            assert info.value.rank == last
+            assert info.value.global_name == "test_helpers.Point"
+            assert str(info.value).count("collect_results:") == 1
+        # and the group is in step: the next collective gets nobody's leftover round
+        assert dist.all_gather_object(rank) == list(range(size))
+        out = dist.collect_results([rank] * 5, 5 * size, serializer="safe")
+        assert out == ([r for _ in range(5) for r in range(size)] if rank == 0 else None)
+
+
+@ranks(3, timeout=20)
+def test_collect_results_an_unpicklable_result_with_a_large_one_elsewhere():
+    rank, size = world()
+    # rank 1 cannot pickle its result while rank 2 sends more than one slot: dst must
+    # still take rank 2's bytes, or rank 2 waits in its send until the group's timeout
+    results = [lambda: rank] if rank == 1 else ["x" * 20000 if rank == 2 else "y"]
+    match = "cannot be pickled" if rank == 1 else "rank 1 could not send its object"
+    with pytest.raises(TypeError, match=match):
+        dist.collect_results(results, size)
+    assert dist.all_gather_object(rank) == list(range(size))

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import WORLDS, world
-from test_helpers import sampler_results, truth
+from test_helpers import Lazy, sampler_results, truth
 from torch.utils.data import DistributedSampler
 
 import distkit.dist as dist
+from distkit import _settings
 from distkit.testing import ranks
 from distkit.utils import get_group
 
@@ -137,11 +138,12 @@ def test_errors_are_raised_on_every_rank():
         dist.iter_results([0], 1, sampler=range(1))
     last = max(size - 1, 0)
     # one rank's result cannot be pickled: it raises its own error, every other rank
-    # raises a TypeError naming it
+    # raises a TypeError naming it (each message with one "iter_results:" prefix)
     bad = [1, Unpicklable()] if rank == last else [1, 2]
     match = r"results\[1\] \(Unpicklable\)" if rank == last else f"rank {last} could not send"
-    with pytest.raises(TypeError, match=match):
+    with pytest.raises(TypeError, match=match) as info:
         dist.iter_results(bad, 2 * max(size, 1))
+    assert str(info.value).count("iter_results:") == 1, str(info.value)
     # too few results for size: dst finds out, and tells every rank
     with pytest.raises(ValueError, match="fewer than size=100"):
         dist.iter_results([rank], 100)
@@ -191,27 +193,34 @@ class BreaksOnSecondPickle:
 def test_failures_while_streaming_stop_every_rank():
     rank, size = world()
     # dst refuses what a rank sends (safe serializer): dst raises, and so does every
-    # rank still serving it (told by dst), so that none goes on to its next collective
+    # rank still serving it (told by dst), so that none goes on to its next collective;
+    # every rank raises UnsafeObjectError naming the sender, whether the results come in
+    # rounds (chunk_bytes=1) or, being small, with the plan when the stream opens
     results = [Point(rank)] * 3
-    if rank == 0:
-        with pytest.raises(dist.UnsafeObjectError, match="rank 1 sent an object"):
-            streamed(results, 3 * size, serializer="safe", chunk_bytes=1)
-    else:
-        with pytest.raises(RuntimeError, match=r"rank 0 stopped the call: .*rank 1 sent"):
-            streamed(results, 3 * size, serializer="safe", chunk_bytes=1)
+    for chunk in (1, 1 << 20):
+        if rank == 0:
+            with pytest.raises(dist.UnsafeObjectError, match="rank 1 sent an object") as info:
+                streamed(results, 3 * size, serializer="safe", chunk_bytes=chunk)
+        else:
+            stopped = r"^iter_results: rank 0 stopped the call: rank 1 sent an object"
+            with pytest.raises(dist.UnsafeObjectError, match=stopped) as info:
+                streamed(results, 3 * size, serializer="safe", chunk_bytes=chunk)
+        assert info.value.rank == 1
+        assert info.value.global_name == "test_iter_results.Point"
+        assert str(info.value).count("iter_results:") == 1  # one prefix
     # a result that breaks while it is sent: its rank raises its own error, dst a TypeError
     # naming it, and the rank that was asked at the same time is drained, then told
     BreaksOnSecondPickle.calls = 0
     results = [BreaksOnSecondPickle() if rank == 1 else rank]
     if rank == 0:
-        with pytest.raises(TypeError, match="rank 1 could not send results"):
-            streamed(results, size)
+        with pytest.raises(TypeError, match="rank 1 could not send its results"):
+            streamed(results, size, chunk_bytes=1)
     elif rank == 1:
         with pytest.raises(TypeError, match="broke while being sent"):
-            streamed(results, size)
+            streamed(results, size, chunk_bytes=1)
     else:
         with pytest.raises(TypeError, match="rank 0 stopped the call: rank 1 could not send"):
-            streamed(results, size)
+            streamed(results, size, chunk_bytes=1)
     assert dist.all_gather_object(rank) == list(range(size))
 
 
@@ -225,6 +234,147 @@ def test_a_subgroup_streams_to_its_dst():
         expected = [f"{1 + k % 2}:{k // 2}" for k in range(10)]
         assert out == (expected if rank == 2 else [])
     assert dist.all_gather_object(rank) == [0, 1, 2]
+
+
+@ranks(2, 3, timeout=30)
+def test_two_streams_open_at_once_keep_their_own_results():
+    rank, size = world()
+    n = 5 * size
+    preds = [("pred", rank, k) for k in range(5)]
+    targets = [("target", rank, k) for k in range(5)]
+    expected = [(("pred", i % size, i // size), ("target", i % size, i // size)) for i in range(n)]
+    for chunk in (1, 64, 1 << 25):  # a round per result, a few, everything in the plans
+        a = dist.iter_results(preds, n, chunk_bytes=chunk)
+        b = dist.iter_results(targets, n, chunk_bytes=chunk)
+        assert list(zip(a, b)) == (expected if rank == 0 else [])
+        del a, b  # dst's targets stream, one step short of its end, tells the others
+    with dist.iter_results(preds, n, chunk_bytes=1) as a:
+        with dist.iter_results(targets, n, chunk_bytes=1) as b:
+            assert list(zip(a, b)) == (expected if rank == 0 else [])
+    assert dist.all_gather_object(rank) == list(range(size))
+
+
+@ranks(2, 3, timeout=20)
+def test_a_stream_to_another_dst_while_one_is_open_is_refused_on_every_rank():
+    rank, size = world()
+    last = size - 1
+    # two ranks each serving the other's stream would wait for each other forever
+    for chunk in (1, 1 << 25):
+        with dist.iter_results([rank], size, chunk_bytes=chunk) as first:
+            with pytest.raises(ValueError, match="streams open at the same time must all go"):
+                dist.iter_results([rank], size, dst=last, chunk_bytes=chunk)
+            assert list(first) == (list(range(size)) if rank == 0 else [])
+        with dist.iter_results([rank], size, dst=last) as second:  # the first is closed
+            assert list(second) == (list(range(size)) if rank == last else [])
+    assert dist.all_gather_object(rank) == list(range(size))
+
+
+@ranks(2, 3, timeout=20)
+def test_a_result_that_cannot_be_read_stops_every_rank():
+    rank, size = world()
+    last = size - 1
+    n = 4 * size
+    # (whose read fails, how many reads succeed first, chunk_bytes): the sizing read of a
+    # rank; the read that puts small results in its plan; the read that sends them in a
+    # round; dst's own read as it yields its result
+    for culprit, after, chunk in ((last, 0, 1), (last, 1, 1 << 20), (last, 1, 1), (0, 1, 1)):
+        results = Lazy([(rank, k) for k in range(4)], bad=2 if rank == culprit else -1, after=after)
+        if rank == culprit:  # its own error, as its sequence raised it
+            with pytest.raises(OSError, match="cannot read sample 2"):
+                streamed(results, n, chunk_bytes=chunk)
+        else:  # the rank and the original error, within seconds (not the group's timeout)
+            named = f"rank {culprit} could not read results[2]: OSError: cannot read sample 2"
+            with pytest.raises(RuntimeError, match=re.escape(named)):
+                streamed(results, n, chunk_bytes=chunk)
+    assert dist.all_gather_object(rank) == list(range(size))
+
+
+@ranks(*WORLDS, timeout=20)
+def test_an_index_past_int64_raises_on_every_rank():
+    rank, size = world()
+    size = max(size, 1)
+    last = size - 1
+    for bad in (2**63, -(2**63) - 1, 2**70):
+        indices = [bad] if rank == last else [rank]
+        named = f"rank {last} reported dataset index {bad}, outside 0..{size - 1}"
+        with pytest.raises(ValueError, match=re.escape(named)):
+            streamed([rank], size, indices=indices)
+    assert dist.all_gather_object(rank) == list(range(size))
+
+
+@ranks(2, 3, timeout=30)
+def test_only_the_results_count_against_the_safe_serializers_max_bytes():
+    rank, size = world()
+    # 8000 small results per rank, with their indices: each pack of about 300 bytes
+    # decodes well within 100 kB, the plan's sizes and indices (64 kB each) would not
+    dist.set_serializer("safe", max_bytes=100_000)
+    n = 8000
+    indices = [size * i + rank for i in range(n)]
+    out = streamed(indices, n * size, indices=indices, chunk_bytes=300)
+    assert out == (list(range(n * size)) if rank == 0 else [])
+
+
+@ranks(2, 3, timeout=40)
+def test_a_consumer_slower_than_the_groups_timeout():
+    rank, size = world()
+    group = get_group(list(range(size)), timeout=2)  # its collectives time out after 2 s
+    results = [(rank, k) for k in range(2)]
+    got = []
+    with dist.iter_results(results, 2 * size, group=group, chunk_bytes=1) as stream:
+        for item in stream:
+            got.append(item)
+            if len(got) <= 2:
+                time.sleep(2.5)  # the serving ranks wait longer than the timeout
+    assert got == ([(i % size, i // size) for i in range(2 * size)] if rank == 0 else [])
+    assert dist.all_gather_object(rank, group=group) == list(range(size))
+
+
+@ranks(2, 3, timeout=40)
+def test_a_rank_that_does_not_iterate_is_named_by_dst():
+    rank, size = world()
+    _settings.set("hang_grace", 1.0)
+    group = get_group(list(range(size)), timeout=2)
+    last = size - 1
+    stream = dist.iter_results([(rank, k) for k in range(3)], 3 * size, group=group, chunk_bytes=1)
+    created = (
+        rf"rank {last} created iter_results at tests/test_iter_results.py:\d+ in "
+        r"test_a_rank_that_does_not_iterate_is_named_by_dst but has not iterated it"
+    )
+    if rank == 0:  # dst names the rank, where it created the stream, and what it does
+        with pytest.raises(dist.CollectiveTimeoutError, match=created) as info:
+            list(stream)
+        assert info.value.missing == [last]
+        assert "it is not waiting in a distkit collective" in str(info.value)
+    elif rank == last:  # busy past the timeout and the grace, then it iterates: told
+        time.sleep(5)
+        with pytest.raises(dist.CollectiveTimeoutError, match="rank 0 stopped the call: "):
+            list(stream)
+    else:  # the others, serving, are told
+        with pytest.raises(dist.CollectiveTimeoutError, match=created):
+            list(stream)
+    # no backend timeout happened: the group works
+    assert dist.all_gather_object(rank, group=group) == list(range(size))
+
+
+@ranks(2, 3, timeout=40)
+def test_the_serving_ranks_name_a_dst_that_went_elsewhere():
+    rank, size = world()
+    _settings.set("hang_grace", 2.0)
+    group = get_group(list(range(size)), timeout=2)
+    stream = dist.iter_results([rank], size, group=group, chunk_bytes=1)
+    if rank == 0:  # dst forgets to iterate, and waits in another collective
+        with pytest.raises(dist.CollectiveTimeoutError) as info:
+            dist.barrier(group)
+        assert "is waiting in iter_results" in str(info.value), str(info.value)
+        stream.close()
+    else:
+        with pytest.raises(dist.CollectiveTimeoutError) as info:
+            list(stream)
+        text = str(info.value)
+        assert "dst (rank 0) stopped asking for results of the stream created at" in text
+        assert "it is waiting in barrier" in text, text
+        assert info.value.missing == [0]
+    assert dist.all_gather_object(rank) == list(range(size))  # the default group works
 
 
 def _rss_kib(field: str) -> int:

@@ -309,7 +309,8 @@ class TorchObjects(Backend):
         td.gather(_slot(None, None, cpu), slots, dst=dst_global, group=cpu.pg)
         host, heads = _heads(torch.stack(slots))
         others = {r: h for r, h in enumerate(heads) if r != rank}
-        _raise_failures(call.fn, comm, others, dict(enumerate(host)), own)
+        # the ranks that did send take their bytes to dst before it raises another's
+        # error: otherwise they would wait in their sends until the group's timeout
         big = {r: h.cpu_bytes for r, h in others.items() if h.status == OVERFLOW}
         cpu_parts = _send_recv(cpu, {}, big)
         dev_parts = _Parts()
@@ -317,6 +318,7 @@ class TorchObjects(Backend):
             dev_parts.update(
                 _send_recv(dev, {}, {r: h.dev_bytes for r, h in others.items() if h.dev_bytes})
             )
+        _raise_failures(call.fn, comm, others, dict(enumerate(host)), own)
         return _received(comm, call, data, heads, host, cpu_parts, dev_parts)
 
     @watched

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import struct
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from itertools import chain, zip_longest
 from types import TracebackType
@@ -15,8 +16,6 @@ from distkit.dist import _args, _stream, _wire
 from distkit.dist import serializer as _serializer
 from distkit.dist._backend import ObjectCall
 from distkit.dist._comm import Comm, GroupLike, resolve
-from distkit.dist.objects import all_gather_object, gather_object
-from distkit.dist.tensor import all_reduce
 from distkit.utils.console import track
 
 ORDERS = ("interleaved", "contiguous")
@@ -231,7 +230,15 @@ def collect_results(
     Results that are ``None`` are kept. No temporary directory is ever used: results
     travel through the object collectives (tensors in them as raw bytes), in rounds of
     ``CHUNK_ITEMS`` results per rank; when that takes more than a second, the receiving
-    process shows a progress bar.
+    process shows a progress bar. ``results`` may be any sequence: one that is not a
+    list or tuple (a lazy dataset of predictions) is read one result at a time.
+
+    Each round ends with a small status from ``dst`` (from every rank with
+    ``dst=None``), so an error anywhere raises on every rank within seconds, and no rank
+    goes on to its next collective with a round left behind: a rank whose result cannot
+    be read or pickled raises its own error and the others one naming it; an object the
+    ``safe`` serializer refuses raises ``UnsafeObjectError`` on every rank, naming the
+    rank that sent it.
 
     Args:
         results: This rank's results, in the order it evaluated its samples.
@@ -258,12 +265,17 @@ def collect_results(
     Raises:
         TypeError: ``results`` is not a sequence, ``size`` not an int, ``sampler`` not a
             replayable sampler, an index is not an integer, or a result cannot be
-            pickled.
+            pickled (every rank raises).
         ValueError: Fewer than ``size`` results arrived, an index is out of range or
             missing, some ranks passed ``indices`` (or ``sampler``) and others did not
             (on ``dst``; every rank with ``dst=None``), ``order`` is unknown, ``indices``
             (or the sampler's) has the wrong length, or both ``indices`` and ``sampler``
             were given.
+        UnsafeObjectError: ``serializer="safe"`` refused what a rank sent (every rank
+            raises it, naming that rank).
+        RuntimeError: A rank could not read one of its results: that rank raises its
+            own error, the others a ``RuntimeError`` naming the rank, the index and the
+            error (or one of its class, for a ``TypeError`` or ``ValueError``).
 
     Examples:
         >>> import distkit.dist as dist
@@ -281,41 +293,149 @@ def collect_results(
     comm = resolve(group, fn)
     indices = _check(fn, comm, results, size, order, indices, sampler)
     if dst is not None:
-        _args.rank(dst, "dst", fn, comm)
-
-    # One tiny round tells every rank the longest shard, so all agree on the chunks.
-    longest = int(all_reduce(torch.tensor([len(results)]), "max", group).item())
-    steps: Iterable[int] = range(max(1, -(-longest // CHUNK_ITEMS)))
-    receiver = comm.rank == dst or dst is None
+        dst = _args.rank(dst, "dst", fn, comm)
+    call = ObjectCall(fn, None, _serializer.resolve(serializer, fn, comm))
+    collected = _Collected(comm, call, dst, results, indices)
+    steps: Iterable[int] = range(1, collected.step(0))  # the first round tells the rest
     if comm.rank == (dst or 0):
         steps = track(steps, "collect_results", delay=1.0, main_only=False)
-    parts: list[list] = [[] for _ in range(comm.size)]
-    index_parts: list[list] = [[] for _ in range(comm.size)]
     for step in steps:
-        window = slice(step * CHUNK_ITEMS, (step + 1) * CHUNK_ITEMS)
-        payload = (results[window], None if indices is None else indices[window])
-        gathered: Optional[list[Any]]
-        if dst is None:
-            gathered = all_gather_object(payload, group, serializer=serializer)
-        else:
-            gathered = gather_object(payload, dst, group, serializer=serializer)
-        if receiver:
-            assert gathered is not None
-            for r, (res, idx) in enumerate(gathered):
-                parts[r].extend(res)
-                if idx is not None:
-                    index_parts[r].extend(idx)
-    if not receiver:
+        collected.step(step)
+    if not collected.receiver:
         return None
-    # every rank sends indices (a list, empty for no results) or None in each chunk
-    passed = [idx is not None for _, idx in gathered or ()]
-    mixed = [r for r, p in enumerate(passed) if p != (indices is not None)]
+    mixed = [r for r, p in enumerate(collected.passed) if p != (indices is not None)]
     if mixed:
         who = f"dst (rank {comm.rank})" if dst is not None else f"rank {comm.rank}"
         raise _mixed(fn, comm, mixed[0], who)
     if indices is not None:
-        return _by_index(parts, index_parts, size, fn, comm)
-    return _ordered(parts, size, order, fn, comm)
+        return _by_index(collected.parts, collected.index_parts, size, fn, comm)
+    return _ordered(collected.parts, size, order, fn, comm)
+
+
+def _window(results: Sequence, start: int, stop: int) -> Sequence:
+    """``results[start:stop]``, read one result at a time unless it is a list or tuple
+    (a lazy sequence need not slice; a read that fails raises ``_stream.ReadFailed``)."""
+    if isinstance(results, (list, tuple)):
+        return results[start:stop]
+    return list(_stream.reading(results, range(start, min(stop, len(results)))))
+
+
+#: Bytes of the status every round of ``collect_results`` ends with (longer error
+#: messages are cut).
+STATUS_BYTES = 4096
+
+
+class _Collected:
+    """``collect_results``' rounds: each moves ``CHUNK_ITEMS`` results per rank, then a
+    status (how many rounds in all, or the error that stops the call) reaches every rank.
+
+    So every rank raises when one fails: a rank whose results cannot be read or pickled
+    raises its own error, ``dst`` (every rank with ``dst=None``) the error it found
+    (another rank's failure, an object its serializer refuses), and the others that
+    error, of the same class, "rank <dst> stopped the call: ...". Nobody goes on to its
+    next collective with a round left behind.
+    """
+
+    def __init__(
+        self,
+        comm: Comm,
+        call: ObjectCall,
+        dst: Optional[int],
+        results: Sequence,
+        indices: Optional[list[int]],
+    ) -> None:
+        self.comm, self.call, self.dst = comm, call, dst
+        self.results, self.indices = results, indices
+        self.receiver = dst is None or comm.rank == dst
+        self.parts: list[list] = [[] for _ in range(comm.size)]
+        self.index_parts: list[list] = [[] for _ in range(comm.size)]
+        self.passed: list[bool] = []  # which ranks passed indices (from the first round)
+
+    def step(self, step: int) -> int:
+        """Run round ``step``; the number of rounds in all."""
+        comm, call, fn, results = self.comm, self.call, self.call.fn, self.results
+        start, stop = step * CHUNK_ITEMS, (step + 1) * CHUNK_ITEMS
+        own: Optional[BaseException] = None  # this rank's error (raised here as it is)
+        found: Optional[BaseException] = None  # what this rank found wrong elsewhere
+        told: Optional[_stream.Failure] = None  # what the others hear of it
+        try:
+            items = _window(results, start, stop)
+            idx = None if self.indices is None else self.indices[start:stop]
+            payload: tuple = (items, idx, len(results), None)
+        except _stream.ReadFailed as failed:
+            own = failed.error
+            told = _stream.read_error(failed.position, failed.error)
+            told = told._replace(text=f"rank {comm.rank} {told.text}")
+            payload = ([], None, len(results), (told.code, told.text))
+        gathered: Optional[list[Any]] = None
+        try:
+            if self.dst is None:
+                gathered = comm.backend.all_gather_object(comm, payload, call)
+            else:
+                gathered = comm.backend.gather_object(comm, payload, self.dst, call)
+        except Exception as exc:  # the round is over on every rank: tell, then raise
+            if own is None:
+                own, told = exc, _stream.Failure.of(exc, fn)
+        rounds = 0
+        if gathered is not None:
+            try:
+                rounds = self._take(gathered, step)
+            except Exception as exc:  # a failure another rank sent
+                found = exc
+                told = told or _stream.Failure.of(exc, fn)
+        status = self._status(rounds, told)
+        if own is not None:
+            raise own
+        if found is not None:
+            raise found
+        if status[1] is not None:
+            culprit, failure = status[1]
+            failure.raise_as(fn, comm, f"rank {culprit} stopped the call: {failure.text}")
+        return status[0]
+
+    def _take(self, gathered: list[Any], step: int) -> int:
+        """Keep a round's results (on receivers); the number of rounds in all."""
+        comm, fn = self.comm, self.call.fn
+        for r, payload in enumerate(gathered):
+            failure = payload[3] if isinstance(payload, tuple) and len(payload) == 4 else None
+            if failure is not None and r != comm.rank:
+                code, text = failure
+                _stream.Failure(code, text).raise_as(fn, comm, text)
+        if step == 0:
+            self.passed = [idx is not None for _, idx, _, _ in gathered]
+        for r, (res, idx, _, _) in enumerate(gathered):
+            self.parts[r].extend(res)
+            if idx is not None:
+                self.index_parts[r].extend(idx)
+        longest = max(count for _, _, count, _ in gathered)
+        return max(1, -(-longest // CHUNK_ITEMS))
+
+    def _status(
+        self, rounds: int, failure: Optional[_stream.Failure]
+    ) -> tuple[int, Optional[tuple[int, _stream.Failure]]]:
+        """Share this round's outcome: ``dst``'s, or with ``dst=None`` every rank's
+        (then the first failure, by rank, counts). (rounds, (rank, failure) or None)."""
+        comm = self.comm
+        raw = bytearray(STATUS_BYTES)
+        text = b"" if failure is None else failure.encode(STATUS_BYTES - 16)
+        struct.pack_into("<2q", raw, 0, rounds, len(text))
+        raw[16 : 16 + len(text)] = text
+        mine = torch.frombuffer(raw, dtype=torch.uint8)
+        rows: dict[int, Tensor]
+        if self.dst is not None:
+            rows = {self.dst: comm.backend.broadcast(comm, mine, self.dst, False)}  # type: ignore[dict-item]
+        else:
+            everyone = comm.backend.all_gather(comm, mine, False, True)
+            rows = dict(enumerate(everyone))  # type: ignore[arg-type]
+        outcome: Optional[tuple[int, _stream.Failure]] = None
+        total = 0
+        for r, row in rows.items():
+            got = _wire.bytes_view(row.cpu().contiguous())
+            n_rounds, n = struct.unpack_from("<2q", got, 0)
+            total = max(total, n_rounds)
+            if n and outcome is None:
+                outcome = (r, _stream.Failure.decode(bytes(got[16 : 16 + min(n, STATUS_BYTES)])))
+        return total, outcome
 
 
 def _layout(
@@ -332,6 +452,21 @@ def _layout(
     (and indices) alone, so no result needs to be at hand.
     """
     n = len(counts)
+    if index_parts is None:
+        total = sum(counts)
+        if total < size:
+            listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+            _args.fail(
+                ValueError,
+                fn,
+                comm,
+                f"the ranks returned {total} results in total ({listed}), fewer than size={size}",
+                "Every sample must be evaluated by some rank: use a sampler without drop_last, "
+                "or pass the number of samples actually evaluated as size",
+            )
+        if order == "interleaved" and n > 1 and len(set(counts)) == 1:
+            slots = torch.arange(size)  # the DistributedSampler case: equal shards
+            return slots % n, slots // n
     ranks = torch.repeat_interleave(torch.arange(n), torch.tensor(counts, dtype=torch.int64))
     positions = torch.cat([torch.arange(c) for c in counts]) if counts else torch.empty(0)
     positions = positions.long()
@@ -362,36 +497,10 @@ def _layout(
             )
         pick = perm[first]
         return ranks[pick], positions[pick]
-    total = sum(counts)
-    if total < size:
-        listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
-        _args.fail(
-            ValueError,
-            fn,
-            comm,
-            f"the ranks returned {total} results in total ({listed}), fewer than size={size}",
-            "Every sample must be evaluated by some rank: use a sampler without drop_last, "
-            "or pass the number of samples actually evaluated as size",
-        )
-    if order == "interleaved" and len(set(counts)) > 1:  # round-robin, skipping short ranks
+    if order == "interleaved" and n > 1:  # round-robin, skipping short ranks
         pick = torch.sort(positions * n + ranks).indices[:size]
         return ranks[pick], positions[pick]
-    if order == "interleaved" and n > 1:
-        slots = torch.arange(size)
-        return slots % n, slots // n
     return ranks[:size], positions[:size]
-
-
-def _rounds(cost: Tensor, budget: int) -> Iterator[tuple[int, int]]:
-    """Split outputs with byte costs ``cost`` into consecutive ``(start, end)`` rounds of
-    at most ``budget`` bytes (at least one output each)."""
-    total = torch.cumsum(cost, 0)
-    start, base, n = 0, 0, len(cost)
-    while start < n:
-        end = int(torch.searchsorted(total, base + budget, right=True))
-        end = max(end, start + 1)
-        yield start, end
-        base, start = int(total[end - 1]), end
 
 
 class ResultStream(Iterator[Any]):
@@ -440,89 +549,6 @@ class ResultStream(Iterator[Any]):
         self.close()
 
 
-class _Receiver:
-    """``dst``'s side: plans the rounds, requests, yields in dataset order."""
-
-    def __init__(
-        self,
-        link: Optional[_stream.Link],
-        comm: Comm,
-        results: Sequence,
-        ranks: Tensor,
-        positions: Tensor,
-        cost: Tensor,
-        budget: int,
-        call: ObjectCall,
-    ) -> None:
-        self.link = link
-        self.comm = comm
-        self.results = results
-        self.ranks, self.positions, self.cost = ranks, positions, cost
-        self.budget = budget
-        self.call = call
-        # ranks still waiting for a control message from dst
-        self.waiting = [r for r in range(comm.size) if r != comm.rank]
-        self.gone: set[int] = set()
-
-    def run(self) -> Generator[Any, None, None]:
-        comm, link, me = self.comm, self.link, self.comm.rank
-        pending: dict[int, int] = {}  # rank -> items asked for and not yet received
-        try:
-            for start, end in _rounds(self.cost, self.budget):
-                ranks = self.ranks[start:end]
-                positions = self.positions[start:end]
-                queues = {}
-                for r in ranks.unique().tolist():
-                    if r != me:
-                        assert link is not None
-                        wanted = positions[ranks == r].tolist()
-                        link.request(r, wanted)
-                        pending[r] = len(wanted)
-                while pending:  # every request is out: the ranks encode meanwhile
-                    r = next(iter(pending))
-                    try:
-                        packs = link.answer(r, pending[r], self.call.fn)  # type: ignore[union-attr]
-                    except Exception:
-                        self.gone.add(r)  # it failed: it neither answers nor listens
-                        raise
-                    finally:
-                        del pending[r]
-                    queues[r] = _stream.unpack(packs, r, self.call, comm)
-                    packs = []
-                for r, p in zip(ranks.tolist(), positions.tolist()):
-                    yield self.results[p] if r == me else next(queues[r])
-                del queues
-        except Exception as exc:  # the stream itself failed: the waiting ranks raise too
-            self._stop(pending, exc)
-            raise
-        finally:  # done, or the consumer stopped early (break, close, its own exception)
-            self._stop(pending)
-
-    def _stop(self, pending: dict[int, int], error: Optional[BaseException] = None) -> None:
-        """Tell every rank still waiting to stop (after draining answers asked for):
-        done, or failed with ``error``."""
-        link, waiting = self.link, self.waiting
-        self.waiting = []
-        if link is None:
-            return
-        for r, count in list(pending.items()):
-            del pending[r]
-            try:
-                link.answer(r, count, self.call.fn)
-            except Exception:
-                self.gone.add(r)
-        for r in waiting:
-            if r in self.gone:
-                continue
-            if error is None:
-                link.done(r)
-            else:
-                link.failed(r, _args.error_code(error), self.comm.rank, str(error))
-
-    def stop(self) -> None:
-        self._stop({})
-
-
 def iter_results(
     results: Sequence,
     size: int,
@@ -553,13 +579,31 @@ def iter_results(
             for result in stream:  # on ranks other than dst: no items, serves dst
                 write(result)
 
-    Do not run other collectives on ``group`` while iterating.
+    Do not run other collectives on ``group`` while iterating. Several streams may be
+    open at once when they all go to one ``dst``: ``zip(iter_results(preds, n),
+    iter_results(targets, n))`` pairs each prediction with its target (a rank serving
+    one stream serves every stream open in its process). Opening a stream to another
+    ``dst`` while one is still open raises ``ValueError`` on every rank, before any
+    result moves: two ranks each serving the other's stream would wait forever.
     Single process: yields the first ``size`` results (reordered by ``indices``).
 
     ``dst`` asks for the results in rounds: each round holds the other ranks' results
     for the next stretch of the dataset, at most ``chunk_bytes`` of them (at least one
     result), received as pickled bytes and unpickled a pack (about 1 MiB) at a time.
+    A rank whose results are small (together at most ``chunk_bytes`` divided by the
+    number of ranks, and 1 MiB, pickled) sends them in the call itself: a stream of
+    small results needs no round, and costs about what :func:`collect_results` does.
     Results from ``dst`` itself are its own objects; the rest are new objects.
+    ``results`` may be any sequence (a lazy one that reads each result from disk when
+    indexed, too): each result is read when it is sized and when it is sent.
+
+    No rank waits for another inside a collective between rounds: ``dst`` may take as
+    long as it likes over each result (longer than the group's timeout, too), the other
+    ranks wait for its next request. ``dst`` waits for a rank's answer at most the
+    group's timeout, then every rank raises ``CollectiveTimeoutError``, the one on
+    ``dst`` naming the rank and what it does (``rank 1 created iter_results at
+    eval.py:12 but has not iterated it``); a rank waiting for ``dst`` while ``dst``
+    waits in another collective raises ``CollectiveTimeoutError`` saying where.
 
     Args:
         results: This rank's results, in the order it evaluated its samples.
@@ -573,7 +617,8 @@ def iter_results(
         chunk_bytes: About how many bytes of other ranks' (pickled) results ``dst``
             holds at once.
         serializer: ``pickle`` or ``safe`` for the results received (see
-            :func:`~distkit.dist.set_serializer`).
+            :func:`~distkit.dist.set_serializer`). Only the results count against the
+            safe serializer's ``max_bytes``, never what the ranks tell each other.
 
     Returns:
         A :class:`ResultStream`: on ``dst``, the ``size`` results in dataset order;
@@ -582,15 +627,25 @@ def iter_results(
     Raises:
         TypeError: A bad argument (as in :func:`collect_results`), ``chunk_bytes`` is
             not a positive int, or a result cannot be pickled (every rank raises).
-        ValueError: Fewer than ``size`` results, an index out of range or missing,
-            ``indices`` (or ``sampler``) on some ranks only (every rank raises), or
-            another argument error as in :func:`collect_results`.
+        ValueError: Fewer than ``size`` results, an index out of range or missing (an
+            index past int64 too), ``indices`` (or ``sampler``) on some ranks only, a
+            stream to another ``dst`` still open (every rank raises), or another
+            argument error as in :func:`collect_results`.
+        UnsafeObjectError: ``serializer="safe"`` refused what a rank sent (every rank
+            raises it, naming that rank).
+        RuntimeError: A rank could not read one of its results (``results[i]``
+            raised): that rank raises its own error, the others a ``RuntimeError``
+            naming the rank, the index and the error (or one of its class, for a
+            ``TypeError`` or ``ValueError``).
+        CollectiveTimeoutError: A rank did not serve ``dst`` within the group's timeout,
+            or ``dst`` waits in another collective (see above).
 
-    When the stream itself fails on ``dst`` while iterating (a rank's result breaks
-    while it is sent, or ``dst`` cannot decode it), ``dst`` raises that error and every
-    rank still serving it raises one of the same kind, ``rank <dst> stopped the call:
-    ...``. An early ``break``, ``close()`` or an exception of the consumer's own ends
-    the other ranks' iteration normally.
+    Errors raise on every rank within seconds, wherever they happen: while the stream
+    opens (from the call, on every rank), or while ``dst`` iterates (a rank's result
+    cannot be read or sent, ``dst`` cannot decode it or read its own): ``dst`` raises
+    the error and every rank still serving it raises one of the same class, ``rank
+    <dst> stopped the call: ...``. An early ``break``, ``close()`` or an exception of
+    the consumer's own ends the other ranks' iteration normally.
 
     Examples:
         >>> import distkit.dist as dist
@@ -609,93 +664,169 @@ def iter_results(
             f"chunk_bytes must be a positive int, got {_args.show(chunk_bytes)}",
         )
     call = ObjectCall(fn, None, _serializer.resolve(serializer, fn, comm))
-    rank, others = comm.rank, [r for r in range(comm.size) if r != dst]
-    try:
-        sizes = _wire.encoded_sizes(results, "results", fn, comm)
-        error: Optional[BaseException] = None
-    except TypeError as exc:
-        sizes, error = [], exc
-    mine = torch.tensor(indices, dtype=torch.int64) if indices is not None else None
     if comm.size == 1:
+        plan, error, _ = _plan(fn, comm, results, size, indices, 0, "")
         if error is not None:
             raise error
         ranks, positions = _layout(
-            [len(results)], None if mine is None else [mine], size, order, fn, comm
+            [len(results)], None if plan.indices is None else [plan.indices], size, order, fn, comm
         )
-        return _receiver(
-            None,
-            comm,
-            results,
-            ranks,
-            positions,
-            torch.zeros(size, dtype=torch.int64),
-            chunk_bytes,
-            call,
-        )
-
-    # One gather tells dst every rank's sizes (and indices), or what failed where.
-    failure = None if error is None else (_args.error_code(error), str(error))
-    plan = (len(results), torch.tensor(sizes, dtype=torch.int64), mine, failure)
-    plans = gather_object(plan, dst, group, serializer="safe")
-    link = _stream.Link(comm, fn)
-    if rank != dst:
-        if error is not None:
-            raise error
-        link.control(dst)  # GO, or the error dst found in the plan
-        served = [False]
-
-        def serve() -> Iterator[Any]:
-            if not served[0]:
-                served[0] = True
-                link.serve(dst, results, sizes, min(PACK_BYTES, chunk_bytes), fn)
-            return
-            yield
-
-        items = serve()
-        return ResultStream(items, lambda: [None for _ in items])
-
-    assert plans is not None
-    failed = [(r, p[3]) for r, p in enumerate(plans) if p[3] is not None and r != rank]
-    healthy = [r for r in others if all(r != f for f, _ in failed)]
-    if error is not None:
-        _stream.fail_everywhere(link, healthy, error, rank)
-    if failed:
-        r, (code, text) = failed[0]
-        try:
-            _args.remote_failure(code, fn, comm, f"rank {r} could not send its results: {text}")
-        except Exception as exc:
-            _stream.fail_everywhere(link, healthy, exc, r)
-    mixed = [r for r, p in enumerate(plans) if (p[2] is None) != (mine is None)]
-    if mixed:
-        _stream.fail_everywhere(
-            link, others, _mixed(fn, comm, mixed[0], f"dst (rank {rank})"), rank
-        )
+        return _alone(results, ranks, positions)
+    seq = comm.enter(fn)  # the stream's call number on the group (hang reports)
     try:
-        parts = None if mine is None else [p[2] for p in plans]
-        ranks, positions = _layout([p[0] for p in plans], parts, size, order, fn, comm)
-    except ValueError as exc:
-        _stream.fail_everywhere(link, others, exc, rank)
-    costs = torch.cat(
-        [p[1] if r != rank else torch.zeros(p[0], dtype=torch.int64) for r, p in enumerate(plans)]
-    )
-    starts = torch.tensor([0] + [p[0] for p in plans]).cumsum(0)[:-1]
-    cost = costs[starts[ranks] + positions] if size else torch.zeros(0, dtype=torch.int64)
-    for r in others:
-        link.go(r)
-    return _receiver(link, comm, results, ranks, positions, cost, chunk_bytes, call)
+        opened = _stream.Opened(comm, fn, seq, dst)
+        return _open(opened, results, size, order, indices, chunk_bytes, call)
+    finally:
+        comm.leave()
 
 
-def _receiver(
-    link: Optional[_stream.Link],
+def _plan(
+    fn: str,
     comm: Comm,
+    results: Sequence,
+    size: int,
+    indices: Optional[list[int]],
+    inline_bytes: int,
+    open_to: str,
+) -> tuple[_stream.Plan, Optional[BaseException], list[int]]:
+    """This rank's plan, the error to raise here once ``dst`` has it, and the sizes.
+
+    Reads every result once (twice if they are small enough to travel in the plan).
+    """
+    sizes: list[int] = []
+    mine: Optional[Tensor] = None
+    try:
+        if open_to:
+            _args.fail(
+                ValueError,
+                fn,
+                comm,
+                f"rank {comm.rank} has {open_to} still open, and streams open at the same "
+                "time must all go to one dst",
+                "Finish or close it first (with dist.iter_results(...) as stream: closes "
+                "it at the end of the block)",
+            )
+        sizes = _wire.encoded_sizes(_stream.reading(results), "results", fn, comm)
+        if indices is not None:
+            mine = _int64(indices, size, fn, comm)
+        data = None
+        if inline_bytes and sum(sizes) <= inline_bytes:
+            data = _wire.encode(list(_stream.reading(results)), "results", fn, comm).cpu
+    except _stream.ReadFailed as failed:
+        failure = _stream.read_error(failed.position, failed.error)
+        return _stream.Plan(len(results), None, None, failure, None), failed.error, []
+    except Exception as exc:  # told as "rank <r> ...": the rank is named there
+        text = str(exc).removeprefix(f"{fn}: ").replace(f" (on {_args.where(comm)})", "", 1)
+        if isinstance(exc, TypeError):  # a result that cannot be pickled
+            text = f"could not send its results: {text}"
+        else:  # the rank's own report (an index, a stream still open)
+            text = text.removeprefix(f"rank {comm.rank} ")
+        failure = _stream.Failure(_args.error_code(exc), text)
+        return _stream.Plan(len(results), None, None, failure, None), exc, []
+    sizes_t = None if data is not None else torch.tensor(sizes, dtype=torch.int64)
+    return _stream.Plan(len(results), sizes_t, mine, None, data), None, sizes
+
+
+def _int64(indices: list[int], size: int, fn: str, comm: Comm) -> Tensor:
+    """``indices`` as an int64 tensor; an index past int64 is refused as out of range
+    (as ``dst`` refuses any other, naming this rank)."""
+    try:
+        return torch.tensor(indices, dtype=torch.int64)
+    except (OverflowError, RuntimeError, ValueError):  # which one depends on torch
+        bad = next(i for i in indices if not -(2**63) <= i < 2**63)
+        _args.fail(
+            ValueError,
+            fn,
+            comm,
+            f"rank {comm.rank} reported dataset index {bad}, outside 0..{size - 1}",
+        )
+
+
+def _alone(
     results: Sequence,
     ranks: Tensor,
     positions: Tensor,
-    cost: Tensor,
-    budget: int,
+    inline: Optional[dict[int, list]] = None,
+    rank: int = 0,
+    held: Optional[_stream.Held] = None,
+) -> ResultStream:
+    """A stream that needs no rounds: this rank's own results and those that came in
+    the plans (``inline``, by rank), laid out; ``held`` says it is open meanwhile."""
+
+    def items() -> Generator[Any, None, None]:
+        try:
+            if not inline:
+                for p in positions.tolist():
+                    yield results[p]
+                return
+            for r, p in zip(ranks.tolist(), positions.tolist()):
+                yield results[p] if r == rank else inline[r][p]
+        finally:
+            if held is not None:
+                held.open = False
+
+    it = items()
+    return ResultStream(it, it.close)
+
+
+def _open(
+    opened: _stream.Opened,
+    results: Sequence,
+    size: int,
+    order: str,
+    indices: Optional[list[int]],
+    chunk_bytes: int,
     call: ObjectCall,
 ) -> ResultStream:
-    receiver = _Receiver(link, comm, results, ranks, positions, cost, budget, call)
+    """Open a stream on a group of several ranks (see :mod:`distkit.dist._stream`)."""
+    comm, fn, dst = opened.comm, opened.fn, opened.dst
+    rank = comm.rank
+    inline_bytes = min(PACK_BYTES, chunk_bytes // comm.size) if rank != dst else 0
+    open_to = _stream.open_elsewhere(comm.global_rank(dst))
+    plan, error, sizes = _plan(fn, comm, results, size, indices, inline_bytes, open_to)
+    plans = _stream.gather_plans(comm, plan, dst)
+    if rank != dst:
+        kind, stream, tag, asked = _stream.verdict(opened, error)
+        if kind != _stream.GO:
+            return ResultStream(iter(()), lambda: None)
+        pack_bytes = min(PACK_BYTES, chunk_bytes)
+        server = _stream.Server(opened, stream, tag, results, sizes, asked, pack_bytes)
+        return _served(server)
+
+    assert plans is not None
+    try:
+        inline, ranks, positions = _decide(opened, plans, size, order, call)
+    except Exception as exc:  # every rank raises too
+        if error is not None and plan.failure is not None:
+            told = plan.failure._replace(text=f"rank {rank} {plan.failure.text}")
+        else:
+            told = _stream.Failure.of(exc, fn)
+        _stream.announce(opened, told)
+        if error is not None:
+            raise error from None
+        raise
+    serving = [r for r, p in enumerate(plans) if r != rank and r not in inline and p.length]
+    wanted: Sequence[Tensor] = ()
+    if serving:  # which positions of each rank's results dst will ask for, in order
+        counts = torch.bincount(ranks, minlength=comm.size).tolist()
+        wanted = positions[torch.sort(ranks, stable=True).indices].split(counts)
+        serving = [r for r in serving if counts[r]]
+    stream, tag = _stream.nonce(), _stream.new_tag()
+    _stream.announce(opened, None, stream, tag, {r: wanted[r] for r in serving})
+    if not serving:  # everything is here already: no rounds
+        return _alone(results, ranks, positions, inline, rank, _stream.Held(comm))
+    none = torch.zeros(0, dtype=torch.int64)
+    costs = torch.cat(
+        [
+            p.sizes if r in serving and p.sizes is not None else none.new_zeros(p.length)
+            for r, p in enumerate(plans)
+        ]
+    )
+    starts = torch.tensor([0] + [p.length for p in plans]).cumsum(0)[:-1]
+    cost = costs[starts[ranks] + positions] if size else torch.zeros(0, dtype=torch.int64)
+    receiver = _stream.Receiver(
+        opened, stream, tag, results, ranks, positions, cost, chunk_bytes, call, inline, serving
+    )
     items = receiver.run()  # refers to the receiver, never the other way: no cycle, so
     # dropping the stream finalizes the generator at once (its finally tells the others)
 
@@ -704,6 +835,58 @@ def _receiver(
         receiver.stop()
 
     return ResultStream(items, finish, receiver.stop)
+
+
+def _decide(
+    opened: _stream.Opened, plans: list[_stream.Plan], size: int, order: str, call: ObjectCall
+) -> tuple[dict[int, list], Tensor, Tensor]:
+    """On ``dst``: check every rank's plan, lay the outputs out, decode the results that
+    came in the plans. Raises what any rank's plan says is wrong, naming the rank."""
+    comm, fn, rank = opened.comm, opened.fn, opened.comm.rank
+    own = plans[rank].failure
+    if own is not None:
+        own.raise_as(fn, comm, f"rank {rank} {own.text}")
+    for r, p in enumerate(plans):
+        if p.failure is not None:
+            p.failure.raise_as(fn, comm, f"rank {r} {p.failure.text}")
+    mine = plans[rank].indices
+    mixed = [r for r, p in enumerate(plans) if (p.indices is None) != (mine is None)]
+    if mixed:
+        raise _mixed(fn, comm, mixed[0], f"dst (rank {rank})")
+    parts = None if mine is None else [p.indices for p in plans if p.indices is not None]
+    ranks, positions = _layout([p.length for p in plans], parts, size, order, fn, comm)
+    inline: dict[int, list] = {}
+    for r, p in enumerate(plans):
+        if p.data is not None and r != rank:
+            enc = _wire.Encoded(p.data, None)
+            got = _wire.decode(enc, call.map_location, call.serializer, r, fn, comm)
+            if not isinstance(got, list) or len(got) != p.length:
+                _args.fail(
+                    RuntimeError,
+                    fn,
+                    comm,
+                    f"rank {r} sent {p.length} results in its plan, but they decode to "
+                    f"{_args.show(got)}",
+                )
+            inline[r] = got
+    return inline, ranks, positions
+
+
+def _served(server: _stream.Server) -> ResultStream:
+    """A serving rank's stream: iterating it (or closing it) serves until dst is done."""
+
+    def items() -> Generator[Any, None, None]:
+        _stream.serve(server)
+        return
+        yield
+
+    it = items()
+
+    def finish() -> None:
+        for _ in it:  # serves, unless that happened already
+            pass
+
+    return ResultStream(it, finish)
 
 
 def collect_results_cpu(
