@@ -116,6 +116,14 @@ def disable(fn: F, reason: str) -> F:
         return torch._dynamo.disable(fn)
 
 
+def run_at_trace_time(fn: F) -> F:
+    """``fn`` run by torch.compile's tracer when it meets the call (once per trace), its
+    result a constant of the graph: side effects of tracing, without a graph break or a
+    guard on them."""
+    marker = getattr(torch.compiler, "assume_constant_result", None)
+    return fn if marker is None else marker(fn)
+
+
 def get_process_group_ranks(pg: Any) -> list[int]:
     """Global ranks of ``pg``'s members (a constant to torch.compile's tracer)."""
     return td.get_process_group_ranks(pg)

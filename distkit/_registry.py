@@ -47,6 +47,9 @@ class _BeforeTorch:
 _cells: list[Any] = []  # closure cells holding ``current`` (see watch)
 _guarded: list[Any] = []  # the cells of collectives, holding the guard (see guard)
 
+#: Set by a rank once it has a process group, to its pid: its children inherit it.
+RANK_PID = "DISTKIT_RANK_PID"
+
 #: Launched without a process group: what the launcher set (a phrase), ``""`` when
 #: collectives may run as a world of one rank, ``None`` until the first one decides.
 alone: Optional[str] = None
@@ -105,6 +108,10 @@ def decide() -> str:
 
         independent = os.environ.get("DISTKIT_INDEPENDENT", "").strip().lower()
         allowed = independent in ("1", "true", "yes", "on")
+        # a process a rank started (a subprocess, a DataLoader worker) inherits the
+        # launcher's variables, but is no rank: the rank left its pid (see _board)
+        parent = os.environ.get(RANK_PID)
+        allowed = allowed or (parent is not None and parent != str(os.getpid()))
         alone = "" if allowed else (launched_as() or "")
         _retarget()
     return alone

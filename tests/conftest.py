@@ -134,8 +134,9 @@ def in_fresh_world(body, size: int, timeout: float = 300.0) -> list:
         return pool.run(body)
 
 
-# set by pytest, and by torch the first time its compiler's modules run (process-wide)
-_IGNORED_ENV = ("PYTEST_", "TORCHINDUCTOR_CACHE_DIR")
+# set by pytest, by torch the first time its compiler's modules run (process-wide), and
+# by distkit in a process that joined a world (for its children: see _registry.decide)
+_IGNORED_ENV = ("PYTEST_", "TORCHINDUCTOR_CACHE_DIR", "DISTKIT_RANK_PID")
 
 
 @pytest.fixture(autouse=True)

@@ -34,7 +34,16 @@ pytestmark = pytest.mark.timeout(120)
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 SRUN = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}
 MPIRUN = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_", "SLURM_", "OMPI_", "PMI_", "DISTKIT_INDEPENDENT")
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_",
+    "SLURM_",
+    "OMPI_",
+    "PMI_",
+    "DISTKIT_INDEPENDENT",
+    "DISTKIT_RANK_PID",
+)
 
 
 @pytest.fixture
@@ -132,6 +141,21 @@ def test_one_switch_lets_launched_processes_run_alone(how, launched_by):
     assert dist.all_reduce(t) is t
     assert dist.all_gather_object(7) == [7]
     assert dist.barrier() is None
+
+
+def test_a_process_a_rank_started_is_no_rank(launched_by, monkeypatch):
+    """A subprocess of a rank (or a DataLoader worker) inherits the launcher's variables;
+    the rank left its pid beside them, so the child is not taken for a rank."""
+    launched_by(TORCHRUN)
+    monkeypatch.setenv("DISTKIT_RANK_PID", "1")  # a pid that is not this process's
+    t = torch.ones(2)
+    assert dist.all_reduce(t) is t
+
+
+def test_a_rank_list_under_a_launcher_gets_the_launcher_message(launched_by):
+    launched_by(TORCHRUN)
+    with pytest.raises(RuntimeError, match="no process group exists, but torchrun"):
+        dist.all_reduce(torch.ones(1), group=[0, 1])
 
 
 def test_without_a_launcher_nothing_changes(launched_by):
@@ -300,7 +324,8 @@ def test_a_check_only_one_rank_makes_still_raises_on_every_rank(tmp_path):
     err = proc.stderr
     assert proc.returncode == 1, err
     assert "not reached" not in proc.stdout
-    assert "rank 1 is blocked in all_reduce, which does not match the call of other ranks" in err
+    assert "distkit: rank 1 is in all_reduce (its call #7 on the default group) at " in err
+    assert "and rank 0 checked that call: they disagree" in err
     assert "CollectiveMismatchError: broadcast: the ranks of the default group disagree" in err
     assert "CollectiveMismatchError: all_reduce: the ranks of the default group disagree" in err
     assert "rank 0: broadcast(data={'dtype': 'float32', 'shape': [3]}, src=0) at " in err
@@ -436,3 +461,260 @@ def test_a_rank_that_went_away_is_named(steps, leave, how, said, tmp_path):
     assert "while rank 0 waited in all_reduce at " in err and "script.py:7 in <module>" in err
     if steps > 3:  # past the checked calls: the backend saw it first, and says so after
         assert ". The backend said: " in err and "by peer" in err.split("The backend said")[-1]
+
+
+# -- found by an adversarial review: each failed before its fix --------------------------
+
+
+@ranks(2, 3)
+def test_all_to_all_single_splits_and_rows_are_checked():
+    rank, size = world()
+    # rank 1 expects 2 rows from rank 0, which sends it 1 (garbage, or gloo aborting)
+    sent = [2] * size
+    expected = [2] * size
+    if rank == 0:
+        sent[1] = 1
+    data = torch.arange(float(sum(sent)))
+    text = mismatch(lambda: dist.all_to_all_single(data, expected, sent), debug=False)
+    assert "rank 1 expects 2 rows from rank 0, which sends it 1" in text
+    # rows of 2 floats on one rank, 3 on another
+    rows = torch.ones(2 * size, 2 + rank % 2)
+    text = mismatch(lambda: dist.all_to_all_single(rows), debug=False)
+    assert "They must agree on: data.rows." in text
+
+
+@ranks(2)
+@pytest.mark.parametrize(
+    "dtypes",
+    [(torch.float8_e4m3fn, torch.float8_e5m2), (torch.int16, torch.uint16)],
+    ids=["float8", "int16-uint16"],
+)
+def test_dtypes_gloo_carries_as_others_are_checked_as_themselves(dtypes):
+    """gloo moves these as bytes or in a wider dtype: the check sees the caller's."""
+    rank, _ = world()
+    x = torch.zeros(4).to(dtypes[rank])
+    text = mismatch(lambda: dist.broadcast(x), debug=False)
+    assert "They must agree on: data.dtype." in text
+    wide = torch.tensor([5, 7], dtype=torch.uint64 if rank == 0 else torch.int64)
+    text = mismatch(lambda: dist.all_reduce(wide, op="max"), debug=False)
+    assert "'dtype': 'uint64'" in text and "'dtype': 'int64'" in text
+
+
+@ranks(2, timeout=30)
+def test_an_async_call_from_another_line_passes():
+    """Rank 1's fourth call comes from a new line (checked); rank 0's, from an old one,
+    is in flight while rank 0 waits on its handle: its watchdog answers for it."""
+    rank, size = world()
+    start = time.monotonic()
+    for i in range(4):
+        if rank == 1 and i == 3:
+            handle = dist.all_reduce(torch.ones(2), async_op=True)
+        else:
+            handle = dist.all_reduce(torch.ones(2), async_op=True)
+        assert handle.wait().tolist() == [size, size]
+    assert time.monotonic() - start < 10
+
+
+@ranks(2, timeout=60)
+def test_a_caught_one_sided_mismatch_leaves_the_ranks_in_step():
+    """Rank 0's refused call takes no call number: its next call meets the one rank 1
+    is blocked in, and the checks of later calls (the sample) still meet."""
+    rank, size = world()
+    x = torch.ones(4)
+    caught = 0
+    for step in range(1700):  # past the first sampled call numbers (610, 1597)
+        assert dist.all_reduce(x.clone()).tolist() == [size] * 4
+        if rank == 0 and step == 5:
+            with (
+                contextlib.suppress(dist.CollectiveMismatchError),
+                contextlib.redirect_stderr(io.StringIO()),
+            ):
+                dist.broadcast(torch.ones(3))  # rank 0 only: a new line, checked
+                caught = -1  # not reached
+            caught += 1
+    assert caught == (1 if rank == 0 else 0)
+
+
+@ranks(2, timeout=60)
+def test_a_rank_falling_back_to_eager_under_compile_passes():
+    """One rank recompiles until torch.compile gives up and runs the function eagerly,
+    while the other runs the compiled graph: the group's collectives are traced, so the
+    default check leaves them alone (the eager call would wait for a partner that never
+    checks)."""
+    import torch._dynamo
+
+    if not hasattr(torch.compiler, "is_compiling"):
+        pytest.skip("needs torch.compile")
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    old = getattr(config, name)
+    setattr(config, name, 2)
+    try:
+        rank, size = world()
+
+        @torch.compile(dynamic=False, backend="eager")
+        def step(x):
+            return dist.all_reduce(x.sum().reshape(1)) * 2
+
+        for i in range(5):
+            n = 4 if rank == 1 else 4 + i  # rank 0: a new shape each step
+            expected = 2 * (4 * (size - 1) + 4 + i) if rank == 0 else None
+            out = step(torch.ones(n))
+            assert expected is None or out.item() == expected
+        assert dist.all_reduce(torch.ones(2)).tolist() == [size, size]
+    finally:
+        setattr(config, name, old)
+        torch._dynamo.reset()
+
+
+LATE_RANK = """
+import os, time, torch, distkit.dist as dist
+from distkit import _settings
+_settings.set("hang_grace", 1.0)
+dist.init_dist(timeout=60)
+r = dist.get_rank()
+def old(x):
+    return dist.all_reduce(x)
+for i in range(5):
+    old(torch.ones(4))
+if r == 0:
+    y = dist.all_reduce(torch.ones(4))  # a new line: checked
+elif r == 1:
+    y = old(torch.ones(4))  # an old line: unchecked, blocked in gloo
+else:
+    time.sleep(3)  # late, past several roll calls, and with another length
+    y = old(torch.ones(5))
+print(f"rank {r}: NO ERROR {y.tolist()}", flush=True)
+"""
+
+
+def test_a_late_rank_with_another_length_is_caught_at_a_one_sided_check(tmp_path):
+    """Rank 1's watchdog takes its part once only: its part counted twice once stood in
+    for the late rank's, and ranks 0 and 1 went on to garbage."""
+    proc = _launch(tmp_path, LATE_RANK, n=3)
+    assert proc.returncode == 1, proc.stderr
+    assert "NO ERROR" not in proc.stdout, proc.stdout
+    assert "rank 2: all_reduce(data={'dtype': 'float32', 'shape': [5]}" in proc.stderr
+    assert "CollectiveMismatchError: all_reduce: the ranks of the default group" in proc.stderr
+
+
+SKIPPED_ON_A_SUBGROUP = """
+import torch, distkit.dist as dist
+from distkit.utils import get_group
+dist.init_dist(timeout=120)
+r = dist.get_rank()
+g = get_group([0, 1])
+if r == 0:
+    dist.all_reduce(torch.ones(2), group=g)  # rank 1 skips this
+dist.barrier()
+"""
+
+
+def test_a_collective_skipped_on_a_subgroup_is_a_deadlock_named_at_once(tmp_path):
+    start = time.monotonic()
+    proc = _launch(tmp_path, SKIPPED_ON_A_SUBGROUP, n=3)
+    assert proc.returncode == 1, proc.stderr
+    assert time.monotonic() - start < 60, "waited for the timeout"
+    err = proc.stderr
+    assert "CollectiveMismatchError: all_reduce: rank 1 waits in barrier on group [0, 1, 2]" in err
+    assert "which needs this rank, while this rank waits for rank 1 here" in err
+    assert "timed out" not in err
+
+
+ASYMMETRIC = """
+import torch, distkit.dist as dist
+dist.init_dist(timeout=2)
+r = dist.get_rank()
+for i in range(4):
+    if r == 0 and i == 3:
+        y = dist.all_reduce(torch.ones(2))  # a new line: checked on rank 0 only
+    else:
+        y = dist.all_reduce(torch.ones(2))
+print(f"rank {r} ok", flush=True)
+"""
+
+
+def test_a_one_sided_check_fits_in_a_short_timeout(tmp_path):
+    proc = _launch(tmp_path, ASYMMETRIC)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split("\n")) == ["", "rank 0 ok", "rank 1 ok"]
+
+
+TWIN = "import distkit.dist as dist\n\n\ndef sync(x):\n    return dist.all_reduce(x)\n"
+TWINS = """
+import sys, torch, distkit.dist as dist
+sys.path.insert(0, {folder!r})
+import twin_a, twin_b
+dist.init_dist(timeout=60)
+for i in range(3):
+    twin_a.sync(torch.ones(4))
+twin_b.sync(torch.ones(4 + dist.get_rank()))  # its first call: another file, same code
+"""
+
+
+def test_the_same_code_in_two_files_is_two_call_sites(tmp_path):
+    for name in ("twin_a", "twin_b"):
+        (tmp_path / f"{name}.py").write_text(TWIN)
+    proc = _launch(tmp_path, TWINS.format(folder=str(tmp_path)))
+    assert proc.returncode == 1, proc.stderr
+    assert "They must agree on: data.shape." in proc.stderr
+    assert "terminate called" not in proc.stderr
+
+
+STORE_ON_RANK_0 = """
+import os, sys, time, torch, distkit.dist as dist
+dist.init_dist()
+r = dist.get_rank()
+def step():
+    return dist.all_reduce(torch.ones(2))
+for i in range(5):
+    step()
+if os.environ["CASE"] == "ends":
+    if r == 1:
+        time.sleep(2)  # rank 0, which hosts the store, has gone meanwhile
+    print(f"rank {r} done", flush=True)
+    sys.exit(0)
+if r == 0:
+    time.sleep(0.5)
+    sys.exit(0)
+dist.all_reduce(torch.ones(2))  # a new line: checked, on a store that went with rank 0
+"""
+
+
+@pytest.mark.parametrize("case", ["ends", "leaves"])
+def test_a_world_whose_store_rank_0_hosts(case, tmp_path):
+    """Under env:// without a launcher's agent (srun, mpirun), rank 0 hosts the store:
+    when it exits, a rank left waiting names it, and one that just finishes says nothing
+    (the watchdog stops asking a store whose host left)."""
+    import subprocess
+
+    from conftest import ROOT
+    from helpers_subprocess import free_port
+
+    script, port = _script(tmp_path, STORE_ON_RANK_0), free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script],
+            cwd=ROOT,
+            env=script_env(
+                CASE=case,
+                RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=90) for p in procs]
+    codes = [p.returncode for p in procs]
+    if case == "ends":
+        assert codes == [0, 0], outs
+        assert "TCPStore" not in outs[1][1] and "Broken pipe" not in outs[1][1], outs[1][1]
+    else:
+        assert codes == [0, 1], outs
+        assert "RankGoneError: all_reduce: rank 0 " in outs[1][1], outs[1][1]

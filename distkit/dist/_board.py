@@ -51,9 +51,21 @@ def exit_key(global_rank: int, run: Optional[str] = None) -> str:
 class Board:
     """The store of one world, with distkit's key names."""
 
-    __slots__ = ("__weakref__", "pg", "rank", "root", "run", "size", "store", "tag")
+    __slots__ = (
+        "__weakref__",
+        "dead",
+        "host",
+        "pg",
+        "rank",
+        "root",
+        "run",
+        "size",
+        "store",
+        "tag",
+    )
 
     def __init__(self, pg: Any, store: Any, index: int) -> None:
+        self.dead = False  # the store failed: its host (rank 0 under env://) went away
         self.pg = weakref.ref(pg)
         self.store = store
         self.root = root_store(store)
@@ -61,6 +73,11 @@ class Board:
         self.size: int = pg.size()
         self.run = run_tag()
         self.tag = f"distkit/{self.run}.{index}"
+        # the rank whose process hosts the store, when one does: rank 0 under env:// (a
+        # launcher's own store is hosted by the launcher, a FileStore by nobody)
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        hosted = type(self.root).__name__ == "TCPStore" and not agent
+        self.host: Optional[int] = 0 if hosted else None
 
     def key(self, *parts: Any) -> str:
         return "/".join([self.tag, *map(str, parts)])
@@ -79,12 +96,21 @@ class Board:
     def has(self, key: str) -> bool:
         return bool(self.store.check([key]))
 
+    def publish(self, key: str, value: str) -> str:
+        """Set ``key`` to ``value`` unless it is set already; return what it holds."""
+        return bytes(self.store.compare_set(key, "", value)).decode()
+
     def post(self, key: str, value: Any) -> None:
         self.store.set(key, json.dumps(value))
 
     def read(self, key: str) -> Any:
-        """The value posted at ``key``, or ``None`` when nothing is there (no waiting)."""
-        return json.loads(self.get(key)) if self.has(key) else None
+        """The value posted at ``key``, or ``None`` when nothing (whole) is there yet."""
+        if not self.has(key):
+            return None
+        try:
+            return json.loads(self.get(key))
+        except ValueError:  # deleted or rewritten meanwhile
+            return None
 
     def collect(self, keys: dict[Any, str], seconds: float) -> dict[Any, Any]:
         """Read what is posted at ``keys`` (a name per key), waiting up to ``seconds``
@@ -93,8 +119,10 @@ class Board:
         deadline = time.monotonic() + seconds
         while True:
             for name, key in keys.items():
-                if name not in found and self.has(key):
-                    found[name] = json.loads(self.get(key))
+                if name not in found:
+                    value = self.read(key)
+                    if value is not None:
+                        found[name] = value
             if len(found) == len(keys) or time.monotonic() >= deadline:
                 return found
             time.sleep(POLL)
@@ -156,6 +184,7 @@ def board() -> Optional[Board]:
         _worlds += 1
         _current = Board(pg, store, _worlds)
         _hooks()
+        os.environ[_registry.RANK_PID] = str(os.getpid())  # see _registry.decide
         return _current
 
 
@@ -197,9 +226,9 @@ def note_exception(exc: BaseException) -> None:
 def note_exit(how: str) -> None:
     """Post, for the ranks left waiting, how this rank leaves (``"exited"``, ...)."""
     found = _current
-    if found is None or os.getpid() != _owner:
+    if found is None or os.getpid() != _owner or found.dead:
         return
-    note: dict[str, Any] = {"how": how, "pid": os.getpid()}
+    note: dict[str, Any] = {"how": how, "pid": os.getpid(), "t": time.time()}
     if _uncaught is not None:
         note["error"] = _uncaught
     try:
@@ -210,7 +239,25 @@ def note_exit(how: str) -> None:
 
 def _at_exit() -> None:
     note_exit("exited")
+    found = _current
+    if found is not None and found.host == found.rank and os.getpid() == _owner:
+        _leave_hosting(found)
     forget()  # let go of the store now, while the interpreter can still free it
+
+
+def _leave_hosting(board: Board) -> None:
+    """This rank hosts the store, which goes with its process: tell the other ranks'
+    watchdogs to stop asking it (a store call on a closed connection makes torch print
+    a C++ backtrace), and give them a moment to say they heard."""
+    try:
+        board.set(board.key("host-leaving"), "1")
+        deadline = time.monotonic() + 1.5
+        while board.add(board.key("host-left-heard"), 0) < board.size - 1:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(POLL)
+    except Exception:  # the world is gone already
+        pass
 
 
 def _after_fork() -> None:

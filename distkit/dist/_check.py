@@ -2,26 +2,36 @@
 
 Debug mode (:mod:`distkit.dist.debug`) checks every collective and costs a round of
 communication each time. Without it, a dtype or length mismatch would garble data or
-abort gloo, and a skipped collective would hang silently. So, by default, distkit
-checks the calls such bugs show up in: the first :data:`VISITS` calls at each call site
+abort gloo, and a skipped collective would hang silently. So, by default, distkit checks
+the calls such bugs show up in: the first :data:`VISITS` calls at each call site
 (``file:line``) of each group, and after that one call in :data:`SAMPLE`, chosen by the
-group's call number (the same calls on every rank). At a checked call every rank meets
-on the world's store (:mod:`distkit.dist._board`): it adds a digest of what must match
-(the collective, the op, dtypes, shapes where they must match, ``src``/``dst``) to one
-counter, and the last rank to arrive publishes the total. If the digests differ, every
-rank posts its call and call site and raises :class:`CollectiveMismatchError` naming
-them all, before the backend runs. The ranks' counters of call sites agree as long as
-they run the same code, and the sample is keyed by call number; but when they do not
-(one rank at a new line, another at an old one), a rank may check a call that the others
-run unchecked. Such a rank does not wait forever: after a second it posts a roll call,
-and the watchdog (:mod:`distkit.dist._watchdog`) of a rank blocked in that call unchecked
-takes its part in the check for it. A mismatch found that way raises on the checking
-ranks, is printed at once by the others, and is what they raise when their blocked call
-ends (when the checking ranks exit).
+group's call number (the same calls on every rank).
 
-What it does not catch: a mismatch at a call that is not checked (a call site seen more
-than :data:`VISITS` times, outside the sample), for example a last batch of another
-length on one rank, is left to the backend; debug mode checks every call.
+At a checked call every rank meets on the world's store (:mod:`distkit.dist._board`),
+never in a collective, so a check can never be paired with another rank's real call. It
+adds a digest of what must match (the collective, the op, dtypes, shapes where they must
+match, ``src``/``dst``; for ``all_to_all_single``, the rows each rank sends every other
+against the rows that one expects) to one counter, and the last rank to arrive publishes
+the total. When the digests differ, every rank posts its call and call site and raises
+:class:`CollectiveMismatchError` naming them all, before the backend runs. A call refused
+this way takes no call number, so ranks stay in step whichever of them go on.
+
+The ranks' counts of call sites agree while they run the same code, and the sample is
+keyed by call number; when they do not (one rank at a new line, another at an old one),
+a rank may check a call the others run unchecked, blocked in the backend. Such a rank
+does not wait forever: after :data:`ASK_AFTER` seconds one waiting rank posts a roll call,
+the watchdog (:mod:`distkit.dist._watchdog`) of every rank of the group says where its
+rank is, and the watchdog of a rank in that very call (blocked in it, or with it in flight
+through ``async_op=True``) takes its part in the check. A mismatch found that way raises on
+the checking ranks and is printed at once by the others (which raise it if their blocked
+call then fails). Where the answers show a deadlock across groups (this rank waits for
+rank 1 here, rank 1 waits for this rank in a collective of another group), the checking
+rank raises instead of waiting for the timeout.
+
+Not checked: a call that is not in the sample (a call site seen more than
+:data:`VISITS` times), for example a last batch of another length on one rank; and every
+collective of a group that ``torch.compile`` traced (traced collectives run without
+Python, so ranks' call numbers cannot be kept in step). Debug mode checks every eager call.
 """
 
 from __future__ import annotations
@@ -47,18 +57,19 @@ SAMPLE = 1024
 _MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads call numbers (Fibonacci hashing)
 _SHIFT = 64 - (SAMPLE.bit_length() - 1)
 _MASK64 = (1 << 64) - 1
-#: Seconds a rank waits for the others at a check before it asks the watchdogs for help.
-ASK_AFTER = 1.0
+#: Seconds a rank waits for the others at a check before it asks the watchdogs for help
+#: (a quarter of the group's timeout when that is shorter).
+ASK_AFTER = 0.5
 _INSIDE = ("distkit.", "torch.")
 
 
-def site_key(frame: Optional[FrameType]) -> tuple[Any, int]:
-    """Identity of the user's call site above ``frame``: its code object and line."""
+def site_key(frame: Optional[FrameType]) -> tuple[str, int]:
+    """The user's call site above ``frame``: its file and line."""
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_INSIDE):
         frame = frame.f_back
     if frame is None:
-        return (None, 0)
-    return (frame.f_code, frame.f_lineno)
+        return ("", 0)
+    return (frame.f_code.co_filename, frame.f_lineno)
 
 
 def sampled(seq: int) -> bool:
@@ -69,6 +80,8 @@ def sampled(seq: int) -> bool:
 def peek(facts: _GroupFacts, seq: int, frame: Optional[FrameType]) -> bool:
     """Whether call ``seq``, made from above ``frame``, will be checked (counting nothing:
     for the lean lane, which steps aside to the checked path when it will)."""
+    if facts.traced:
+        return False
     return facts.sites.get(site_key(frame), 0) < VISITS or sampled(seq)
 
 
@@ -82,33 +95,21 @@ def due(facts: _GroupFacts, seq: int, frame: Optional[FrameType]) -> bool:
     return sampled(seq)
 
 
-# -- the meeting on the store ---------------------------------------------------------
+def key_of(board: Board, facts: _GroupFacts, seq: int) -> str:
+    """Store key of this rank's check of call ``seq`` of the group.
+
+    A refused call's number is taken again by the next call, so a number can be checked
+    more than once: each attempt has a key of its own, and a rank takes the first one
+    without a verdict (one with a verdict is an earlier attempt this rank took part in,
+    since a verdict needs every rank's part).
+    """
+    attempt = 0
+    while board.has(board.key("check", facts.gid, f"{seq}.{attempt}", "done")):
+        attempt += 1
+    return board.key("check", facts.gid, f"{seq}.{attempt}")
 
 
-def _plan(size: int) -> tuple[int, int]:
-    """(bits of the counter, bits of a digest) so that ``size`` of each fit in 62 bits."""
-    count_bits = (2 * size).bit_length() + 1
-    return count_bits, 62 - count_bits - size.bit_length()
-
-
-def _digest(public: str, must: dict, bits: int) -> int:
-    text = json.dumps([public, must], sort_keys=True, default=str).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> (64 - bits)
-
-
-def _add(board: Board, key: str, digest: int, size: int) -> Optional[str]:
-    """Add this rank's digest; return the total if this rank was the last (it publishes
-    it at ``key/done``), else None."""
-    count_bits, _ = _plan(size)
-    total = board.add(key, (digest << count_bits) + 1)
-    count = total & ((1 << count_bits) - 1)
-    if count > size:  # keys of another world on a reused store: no verdict
-        return _SKIP
-    if count < size:
-        return None
-    board.set(key + "/done", str(total))
-    return str(total)
-
+# -- what a rank adds -----------------------------------------------------------------
 
 #: What ``key/done`` holds when the check cannot tell (not a number): go on unchecked.
 _SKIP = "skip"
@@ -116,11 +117,203 @@ _SKIP = "skip"
 _GONE = "gone"
 
 
-def _agrees(total: str, digest: int, size: int) -> bool:
+def _plan(size: int) -> tuple[int, int, int]:
+    """Bits of the counter, of a digest, and of a row term, so that ``size`` digests and
+    ``size * size`` row terms fit in a 62-bit sum."""
+    count_bits = (2 * size).bit_length() + 1
+    digest_bits = 62 - count_bits - size.bit_length() - 1
+    return count_bits, digest_bits, digest_bits - 2 * size.bit_length()
+
+
+def _hash(value: Any, bits: int) -> int:
+    text = json.dumps(value, sort_keys=True, default=str).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> (64 - bits)
+
+
+def contribution(public: str, fields: dict, must: dict, rank: int, size: int) -> tuple[int, int]:
+    """``(digest, term)``: what group rank ``rank`` adds to a check of its call.
+
+    The digest of what must match is the same on every rank that makes the same call.
+    For ``all_to_all_single``, the term adds a hash for each count of rows this rank
+    sends another and subtracts one for each count it expects from another: over the
+    group the terms cancel exactly when every rank expects what is sent to it.
+    """
+    _, digest_bits, term_bits = _plan(size)
+    digest = _hash([public, must], digest_bits)
+    term = 0
+    if public == "all_to_all_single" and isinstance(fields.get("data"), dict):
+        sent, expected = debug.splits(fields, size)
+        if expected is not None:  # else the sizes travel in headers: nothing to promise
+            for other in range(size):
+                term += _hash([rank, other, sent[other]], term_bits)
+                term -= _hash([other, rank, expected[other]], term_bits)
+    return digest, term
+
+
+def add(board: Board, key: str, digest: int, term: int, size: int) -> Optional[str]:
+    """Add a rank's part; return the verdict if this rank was the last (it publishes it at
+    ``key/done``, unless a waiting rank published a verdict first), else None."""
+    count_bits, _, _ = _plan(size)
+    total = board.add(key, ((digest + term) << count_bits) + 1)
+    count = total & ((1 << count_bits) - 1)
+    if count > size:  # keys of another world on a reused store, or a rank's second part
+        return _SKIP
+    if count < size:
+        return None
+    return board.publish(key + "/done", str(total))
+
+
+def agrees(total: str, digest: int, size: int) -> bool:
+    """Whether the published ``total`` says every rank made this rank's call."""
     if not total.lstrip("-").isdigit():
-        return True
-    count_bits, _ = _plan(size)
+        return True  # _SKIP: no verdict
+    count_bits, _, _ = _plan(size)
     return int(total) >> count_bits == digest * size
+
+
+# -- a rank's own check ---------------------------------------------------------------
+
+
+def run(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
+    """Check call ``seq`` with every rank of ``comm``'s group; raise on a mismatch.
+
+    Raises:
+        CollectiveMismatchError: The ranks are not in the same collective, disagree on
+            what must match, or wait for each other in collectives of different groups.
+        RankGoneError: A rank of the group exited while this one waited here.
+        CollectiveTimeoutError: The others did not come within the group's timeout.
+    """
+    board = _board.board()
+    facts = comm._facts
+    if board is None or facts is None or board.dead:
+        return
+    size = comm.size
+    digest, term = contribution(public, fields, must, comm.rank, size)
+    key = key_of(board, facts, seq)
+    facts.checking = True
+    try:
+        try:
+            total = add(board, key, digest, term, size)
+            if total is None:
+                total = _await(board, key, comm, facts, public, seq)
+            else:  # every rank reached this check, so every rank has left its previous one
+                _forget(board, facts.last_check)
+        except (
+            timeouts.CollectiveTimeoutError,
+            timeouts.RankGoneError,
+            debug.CollectiveMismatchError,
+        ):
+            raise
+        except Exception:  # the store failed (its host went away): go on unchecked
+            board.dead = True
+            return
+        facts.last_check = key
+    finally:
+        facts.checking = False
+    if total == _GONE:
+        gone = board.read(key + "/gone") or {}
+        raise timeouts.gone_error(comm, public, seq, gone, None)
+    if agrees(total, digest, size):
+        return
+    mine = {"call": public, "fields": fields, "must": must, "site": debug.call_site()}
+    ranks = comm.global_ranks()
+    raise mismatch(board, key, ranks, public, mine, seq, debug.group_label(comm))
+
+
+def _forget(board: Board, key: Optional[str]) -> None:
+    if key is not None:
+        for name in (key, key + "/done", key + "/asked"):
+            try:
+                board.store.delete_key(name)
+            except Exception:  # already gone, or a store without deletion
+                pass
+
+
+def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, seq: int) -> str:
+    """Wait for the verdict. After :data:`ASK_AFTER` s the first rank to ask posts a roll
+    call (again, less and less often): the watchdogs of ranks blocked in this call take
+    their part, and every rank says where it is, which tells exits and deadlocks."""
+    timeout = group_timeout(comm.pg)
+    limit = timeout.total_seconds() if timeout is not None else 1800.0
+    start = time.monotonic()
+    deadline = start + limit
+    ranks = comm.global_ranks()
+    me = ranks[comm.rank]
+    others = [r for r in ranks if r != me]
+    request = {
+        "kind": "check",
+        "gid": facts.gid,
+        "seq": seq,
+        "group": ranks,
+        "key": key,
+        "from": me,
+        "label": debug.group_label(comm),
+    }
+    first = min(ASK_AFTER, limit / 4)
+    state: dict[str, Any] = {"at": start + first, "every": first, "asker": None, "roll": None}
+
+    def on_pause(now: float) -> None:
+        roll = state["roll"]
+        if roll is not None:  # what the ranks answered the last roll call
+            verdict = _blocked(board, roll, others, facts, ranks, me)
+            if verdict is not None:
+                board.post(key + "/stop", verdict)
+                board.publish(key + "/done", _GONE if verdict["gone"] else _SKIP)
+                return
+        if now < state["at"]:
+            return
+        if state["asker"] is None:
+            state["asker"] = board.add(key + "/asked", 1) == 1
+        if state["asker"]:
+            gone = board.exits(others)
+            if gone:
+                board.post(key + "/gone", {str(r): note for r, note in gone.items()})
+                board.publish(key + "/done", _GONE)
+                return
+            state["roll"] = board.ask(request)
+        state["every"] = min(state["every"] * 2, 8.0)
+        state["at"] = now + state["every"]
+
+    total = _wait(board, key + "/done", deadline, on_pause)
+    if total is None:
+        raise timeouts.diagnose(
+            comm,
+            public,
+            seq,
+            TimeoutError(f"distkit's default check waited {limit:g} s for the other ranks"),
+        )
+    if total in (_SKIP, _GONE) and board.has(key + "/stop"):
+        stop = board.read(key + "/stop") or {}
+        if stop.get("deadlock"):
+            raise debug.CollectiveMismatchError(
+                f"{public}: {stop['deadlock']} (found by distkit's default check, at call "
+                f"#{seq} on {debug.group_label(comm)}; on rank {me}). Every rank must call "
+                "the collectives of overlapping groups in the same order.",
+                [],
+            )
+    return total
+
+
+def _blocked(
+    board: Board, roll: int, others: list[int], facts: _GroupFacts, ranks: list[int], me: int
+) -> Optional[dict]:
+    """From the answers to a roll call: a deadlock across groups (a rank this check waits
+    for waits, in a collective of another group, for this rank), or ``None``."""
+    answers = board.answers(roll, others, 0.0)
+    for r, answer in sorted(answers.items()):
+        for there in answer.get("in", ()):
+            if there["gid"] == facts.gid or me not in there["group"]:
+                continue
+            return {
+                "gone": False,
+                "deadlock": (
+                    f"rank {r} waits in {there['call']} on group {there['group']} at "
+                    f"{there['site']}, which needs this rank, while this rank waits for rank "
+                    f"{r} here: a collective was skipped, or the groups are called in "
+                    "different orders"
+                ),
+            }
+    return None
 
 
 def _wait(board: Board, done: str, deadline: float, on_pause: Any = None) -> Optional[str]:
@@ -138,113 +331,21 @@ def _wait(board: Board, done: str, deadline: float, on_pause: Any = None) -> Opt
         pause = min(pause * 2, _board.POLL)
 
 
-def run(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
-    """Check call ``seq`` with every rank of ``comm``'s group; raise on a mismatch.
-
-    Raises:
-        CollectiveMismatchError: The ranks are not in the same collective, or disagree
-            on what must match.
-        RankGoneError: A rank of the group exited while this one waited here.
-        CollectiveTimeoutError: The others did not come within the group's timeout.
-    """
-    board = _board.board()
-    facts = comm._facts
-    if board is None or facts is None:
-        return
-    size = comm.size
-    digest = _digest(public, must, _plan(size)[1])
-    key = board.key("check", facts.gid, seq)
-    ranks = comm.global_ranks()
-    me = ranks[comm.rank]
-    facts.checking = True
-    try:
-        total = _add(board, key, digest, size)
-        if total is None:
-            total = _await(board, key, comm, facts, public, seq)
-        else:  # every rank reached this check, so every rank has left its previous one
-            _forget(board, facts.last_check)
-        facts.last_check = key
-    finally:
-        facts.checking = False
-    if total == _GONE:
-        raise timeouts.gone_error(comm, public, seq, board.read(key + "/gone") or {}, None)
-    if _agrees(total, digest, size):
-        return
-    mine = {"call": public, "fields": fields, "must": must, "site": debug.call_site()}
-    label = debug.group_label(comm)
-    raise _mismatch(board, key, ranks, me, public, mine, seq, label)
-
-
-def _forget(board: Board, key: Optional[str]) -> None:
-    if key is not None:
-        for name in (key, key + "/done", key + "/asked"):
-            try:
-                board.store.delete_key(name)
-            except Exception:  # already gone, or a store without deletion
-                pass
-
-
-def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, seq: int) -> str:
-    """Wait for the last rank's total. After :data:`ASK_AFTER` s, one waiting rank (the
-    first to ask) posts a roll call, so that the watchdog of a rank blocked in this call
-    unchecked takes its part, and watches for ranks that exited."""
-    timeout = group_timeout(comm.pg)
-    start = time.monotonic()
-    deadline = start + (timeout.total_seconds() if timeout is not None else 1800.0)
-    ranks = comm.global_ranks()
-    others = [r for r in ranks if r != ranks[comm.rank]]
-    request = {
-        "kind": "check",
-        "gid": facts.gid,
-        "seq": seq,
-        "group": ranks,
-        "key": key,
-        "label": debug.group_label(comm),
-    }
-    state: dict[str, Any] = {"at": start + ASK_AFTER, "every": ASK_AFTER, "asker": None}
-
-    def on_pause(now: float) -> None:
-        if now < state["at"]:
-            return
-        if state["asker"] is None:
-            state["asker"] = board.add(key + "/asked", 1) == 1
-        if state["asker"]:
-            gone = board.exits(others)
-            if gone:
-                board.post(key + "/gone", {str(r): note for r, note in gone.items()})
-                board.set(key + "/done", _GONE)
-                return
-            board.ask(request)
-        state["every"] = min(state["every"] * 2, 8.0)
-        state["at"] = now + state["every"]
-
-    total = _wait(board, key + "/done", deadline, on_pause)
-    if total is None:
-        raise timeouts.diagnose(
-            comm,
-            public,
-            seq,
-            TimeoutError(
-                f"distkit's default check waited {deadline - start:.0f} s for the other ranks"
-            ),
-        )
-    return total
-
-
-def _mismatch(
+def mismatch(
     board: Board,
     key: str,
     ranks: list[int],
-    me: int,
     public: str,
     mine: dict,
     seq: int,
     label: str,
+    wait: bool = True,
 ) -> debug.CollectiveMismatchError:
-    """Post this rank's call, read every rank's, and build the error."""
-    board.post(f"{key}/call/{me}", mine)
+    """Post this rank's call, read every rank's (waiting for them up to the grace unless
+    ``wait`` is false), and build the error."""
+    board.post(f"{key}/call/{board.rank}", mine)
     grace = float(_settings.get("hang_grace"))
-    calls = board.collect({r: f"{key}/call/{r}" for r in ranks}, grace)
+    calls = board.collect({r: f"{key}/call/{r}" for r in ranks}, grace if wait else 0.0)
     rows = []
     for group_rank, r in enumerate(ranks):
         call = calls.get(r)
@@ -253,10 +354,10 @@ def _mismatch(
             rows.append(f"  {name}: did not answer within {grace:g} s")
         else:
             rows.append(f"  {name}: {debug.format_call(call)}")
-    known = list(calls.values())
+    known = [calls[r] for r in ranks if r in calls]  # in rank order
     lines = [
         f"{public}: the ranks of {label} disagree on this collective (found by distkit's "
-        f"default check, at call #{seq} on the group; on rank {me}):",
+        f"default check, at call #{seq} on the group; on rank {board.rank}):",
         *rows,
     ]
     if len({c["call"] for c in known}) > 1:
@@ -272,6 +373,8 @@ def _mismatch(
         )
         if diff:
             lines.append(f"They must agree on: {', '.join(diff)}.")
+        elif len(known) == len(ranks):
+            lines += [f"  {p}" for p in debug.inconsistent(public, known)]
     lines.append(
         "(DISTKIT_CHECK=0 turns the default check off; DISTKIT_DEBUG=1 checks every call.)"
     )
@@ -279,27 +382,59 @@ def _mismatch(
     return debug.CollectiveMismatchError("\n".join(lines), ordered)
 
 
-def join(board: Board, facts: _GroupFacts, request: dict, frame: Optional[FrameType]) -> Any:
-    """Take this rank's part in a check of a call it runs unchecked: the watchdog calls
-    this while the rank is blocked in that call (``frame`` is its thread's).
+# -- a check another rank makes of a call this rank runs unchecked ---------------------
 
-    Returns:
-        The :class:`CollectiveMismatchError` this rank will raise, or ``None``.
-    """
-    call = facts.call
-    key = request["key"]
-    if call is None or board.has(key + "/done"):
-        return None
-    public, name, params, args = call
-    _, fields, must = debug.signature(name, dict(zip(params, args)))
-    ranks = request["group"]
-    size = len(ranks)
-    digest = _digest(public, must, _plan(size)[1])
-    total = _add(board, key, digest, size)
-    if total is None:
-        grace = float(_settings.get("hang_grace"))
-        total = _wait(board, key + "/done", time.monotonic() + grace)
-    if total is None or total == _GONE or _agrees(total, digest, size):
-        return None
-    mine = {"call": public, "fields": fields, "must": must, "site": debug.call_site(frame)}
-    return _mismatch(board, key, ranks, board.rank, public, mine, request["seq"], request["label"])
+
+class Joined:
+    """This rank's part in another rank's check of a call it runs unchecked, added by the
+    watchdog while the call is blocked or in flight; :meth:`verdict` is polled."""
+
+    def __init__(self, facts: Any, request: dict, call: tuple, site: str, rank: int) -> None:
+        self.facts = facts
+        self.request = request
+        self.call = call
+        self.site = site
+        self.posted = 0.0  # when this rank's call was posted (a mismatch), 0: not yet
+        public, name, params, args = call
+        _, self.fields, self.must = debug.signature(name, dict(zip(params, args)))
+        ranks = request["group"]
+        self.size = len(ranks)
+        self.digest, self.term = contribution(
+            public, self.fields, self.must, ranks.index(rank), self.size
+        )
+
+    def add(self, board: Board) -> None:
+        add(board, self.request["key"], self.digest, self.term, self.size)
+
+    def verdict(self, board: Board) -> tuple[bool, Any]:
+        """``(finished, error)``: whether the check is over for this rank, and the
+        :class:`CollectiveMismatchError` it found (``None``: the ranks agree)."""
+        key = self.request["key"]
+        if not self.posted:
+            if not board.has(key + "/done"):
+                return False, None
+            total = board.get(key + "/done")
+            if agrees(total, self.digest, self.size) or total == _GONE:
+                return True, None
+            public = self.call[0]
+            mine = {"call": public, "fields": self.fields, "must": self.must, "site": self.site}
+            board.post(f"{key}/call/{board.rank}", mine)
+            self.posted = time.monotonic()
+        ranks = self.request["group"]
+        calls = {r: f"{key}/call/{r}" for r in ranks}
+        seen = board.collect(calls, 0.0)
+        if len(seen) < len(ranks) and time.monotonic() - self.posted < float(
+            _settings.get("hang_grace")
+        ):
+            return False, None
+        error = mismatch(
+            board,
+            key,
+            ranks,
+            self.call[0],
+            {"call": self.call[0], "fields": self.fields, "must": self.must, "site": self.site},
+            self.request["seq"],
+            self.request["label"],
+            wait=False,
+        )
+        return True, error

@@ -35,8 +35,10 @@ from distkit._compat import (
     disable,
     get_process_group_ranks,
     group_name,
+    group_timeout,
     is_compiling,
     is_registered,
+    run_at_trace_time,
 )
 from distkit.dist import _watchdog
 from distkit.dist._args import fail
@@ -86,6 +88,7 @@ class _GroupFacts:
         "histories",
         "impl",
         "last_check",
+        "pending",
         "rank",
         "ranks",
         "ref",
@@ -93,6 +96,8 @@ class _GroupFacts:
         "sites",
         "size",
         "thread",
+        "timeout",
+        "traced",
         "types",
     )
 
@@ -101,6 +106,8 @@ class _GroupFacts:
         self.rank: int = pg.rank()
         self.size: int = pg.size()
         self.gid: str = group_name(pg)  # the same on every rank
+        timeout = group_timeout(pg)
+        self.timeout: Optional[float] = None if timeout is None else timeout.total_seconds()
         self.backend: str = backend_name(pg)
         self.types: list[str] = backend_device_types(backend_config(pg))
         # gloo-like groups stage CPU tensors on the CPU: the common case, checked first
@@ -116,8 +123,13 @@ class _GroupFacts:
         self.call: Optional[tuple[str, str, Sequence[str], tuple]] = None
         self.checking = False  # ... whether it is in that call's default check ...
         self.failed: Optional[tuple[int, BaseException]] = None  # ... what it found there
-        self.sites: dict[tuple[Any, int], int] = {}  # calls seen per call site (_check)
+        # ... and the async calls still in flight: call number -> (call, its handle, weakly)
+        self.pending: dict[int, tuple[tuple, Any]] = {}
+        self.sites: dict[tuple[str, int], int] = {}  # calls seen per call site (_check)
         self.last_check: Optional[str] = None  # store key of the last default check
+        # whether torch.compile traced a collective of this group: its traced calls run
+        # without Python (no call number), so ranks' call numbers drift: no default check
+        self.traced = self.gid in _TRACED
         # why the group cannot be used any more (a collective on it timed out, or a rank
         # went away: its ranks are out of step), or None
         self.broken: Optional[str] = None
@@ -337,6 +349,20 @@ def _eager_runner(method: str) -> Callable[..., Any]:
     return disable(run, _EAGER_REASONS.get(method, _EAGER_REASON) % method)
 
 
+#: Names of the groups torch.compile traced a collective of (see _GroupFacts.traced)
+_TRACED: set[str] = set()
+
+
+def _mark_traced(pg: ProcessGroup) -> bool:
+    """Note, while tracing, that ``pg``'s collectives are traced (see _GroupFacts.traced)."""
+    name = group_name(pg)
+    _TRACED.add(name)
+    for facts in list(_FACTS.values()):
+        if facts.gid == name:
+            facts.traced = True
+    return True
+
+
 #: Per backend method, the call that runs it eagerly (a graph break that says why). Built
 #: when torch._dynamo is imported (torch.compile imports it before it traces anything):
 #: building it needs torch._dynamo, whose import would otherwise cost every process that
@@ -357,10 +383,14 @@ _EAGER_METHODS = (
 )
 #: _facts_eager_impl as a graph break; the same, with no graph to break, until then
 _facts_eager: Callable[..., Any] = _facts_eager_impl
+#: _mark_traced, run once while tracing (its result a constant of the graph), once
+#: torch._dynamo is loaded
+_traced_once: Callable[..., Any] = _mark_traced
 
 
 def _with_dynamo() -> None:
-    global _facts_eager
+    global _facts_eager, _traced_once
+    _traced_once = run_at_trace_time(_mark_traced)
     _EAGER.update({name: _eager_runner(name) for name in _EAGER_METHODS})
     _facts_eager = disable(
         _facts_eager_impl,
@@ -382,6 +412,7 @@ def _comm_of(pg: ProcessGroup) -> Comm:
 
 
 def _traced_comm(pg: ProcessGroup, group: Any) -> Comm:
+    _traced_once(pg)
     return TracedComm(pg, pg.rank(), pg.size(), group, get_process_group_ranks(pg))
 
 
@@ -498,6 +529,8 @@ def resolve(group: Any, fn: str, collective: bool = True) -> Comm:
                     return TracedComm(None, rank, size, group, ranks)
                 pg = found
             else:
+                if world is None and collective and _registry.alone != "":
+                    _launched_alone(fn)  # before the rank list is judged by a world of one
                 try:
                     got = get_group(group)
                 except (TypeError, ValueError) as exc:

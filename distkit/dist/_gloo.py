@@ -38,6 +38,7 @@ from torch import Tensor
 from distkit.dist._args import fail
 from distkit.dist._ops import Op
 from distkit.dist._torch import TorchBackend, _infers_splits
+from distkit.dist._watch import watched
 from distkit.dist.handle import Handle
 
 T = TypeVar("T")
@@ -123,6 +124,7 @@ class GlooBackend(TorchBackend):
 
     # -- reductions ---------------------------------------------------------------------
 
+    @watched
     def all_reduce(self, comm: Any, data: Tensor, op: Op, async_op: bool) -> Any:
         if data.dtype not in WIDER:
             if data.dtype in _PACKED:
@@ -136,6 +138,7 @@ class GlooBackend(TorchBackend):
 
         return _then(super().all_reduce(comm, wide, op, async_op), back)
 
+    @watched
     def reduce(self, comm: Any, data: Tensor, dst: int, op: Op, async_op: bool) -> Any:
         if data.dtype not in WIDER:
             if data.dtype in _PACKED:
@@ -150,6 +153,7 @@ class GlooBackend(TorchBackend):
 
         return _then(super().reduce(comm, wide, dst, op, async_op), back)
 
+    @watched
     def reduce_scatter(self, comm: Any, data: Any, op: Op, async_op: bool) -> Any:
         first = data if isinstance(data, Tensor) else data[0]
         if first.dtype not in WIDER:
@@ -170,6 +174,7 @@ class GlooBackend(TorchBackend):
 
     # -- data movement ------------------------------------------------------------------
 
+    @watched
     def broadcast(self, comm: Any, data: Tensor, src: int, async_op: bool) -> Any:
         if data.dtype not in AS_BYTES:
             return super().broadcast(comm, data, src, async_op)
@@ -182,6 +187,7 @@ class GlooBackend(TorchBackend):
 
         return _then(super().broadcast(comm, carrier, src, async_op), back)
 
+    @watched
     def all_gather(self, comm: Any, data: Tensor, async_op: bool, same_shape: bool) -> Any:
         if not same_shape or data.dtype not in AS_BYTES:  # uneven: bytes and real dtypes
             return super().all_gather(comm, data, async_op, same_shape)
@@ -190,6 +196,7 @@ class GlooBackend(TorchBackend):
             lambda parts: self._own(parts, data, comm.rank),
         )
 
+    @watched
     def all_to_all(self, comm: Any, data: list[Tensor], async_op: bool, same_shape: bool) -> Any:
         if not same_shape or data[0].dtype not in AS_BYTES:  # uneven: bytes, real dtypes
             return super().all_to_all(comm, data, async_op, same_shape)
@@ -199,6 +206,7 @@ class GlooBackend(TorchBackend):
             lambda parts: self._own(parts, mine, comm.rank),
         )
 
+    @watched
     def all_to_all_single(
         self,
         comm: Any,

@@ -14,10 +14,11 @@ import functools
 import inspect
 import sys
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from distkit import _settings
-from distkit.dist import _check, debug, timeouts
+from distkit.dist import _check, _watchdog, debug, timeouts
 from distkit.dist.handle import Handle
 
 if TYPE_CHECKING:
@@ -68,8 +69,22 @@ def _better(comm: Comm, public: str, seq: int, exc: BaseException) -> Optional[B
     if timeouts.is_timeout(exc):
         return timeouts.diagnose(comm, public, seq, exc)
     if timeouts.is_peer_lost(exc):
+        if facts is not None:  # the peer may have left over a check of this very call
+            checked = _watchdog.verdict(facts, seq)
+            if checked is not None:
+                return checked
         return timeouts.peer_gone(comm, public, seq, exc)
     return None
+
+
+def _note_pending(facts: Any, seq: int, call: tuple, handle: Handle) -> None:
+    """Keep ``call`` for the watchdog while its handle is in flight (entries of handles
+    that completed or were dropped go at the next async call)."""
+    for old, (_, ref) in list(facts.pending.items()):
+        found = ref()
+        if found is None or found.is_completed():
+            del facts.pending[old]
+    facts.pending[seq] = (call, weakref.ref(handle))
 
 
 def watched(method: F) -> F:
@@ -86,9 +101,11 @@ def watched(method: F) -> F:
         public = args[call_at].fn if call_at >= 0 else name
         seq = comm.enter(public)
         facts = comm._facts
+        call = (public, name, params, args)
         if facts is not None:
-            facts.call = (public, name, params, args)  # for the watchdog
+            facts.call = call  # for the watchdog
         _local.depth = 1
+        started = False
         try:
             if settings.get("debug", _DEBUG_DEFAULT):
                 _, fields, must = debug.signature(name, dict(zip(params, args)))
@@ -96,14 +113,24 @@ def watched(method: F) -> F:
             elif (
                 facts is not None
                 and facts.size > 1
+                and not facts.traced
                 and settings.get("check", _CHECK_DEFAULT)
                 and _check.due(facts, seq, sys._getframe(1))
             ):
                 _, fields, must = debug.signature(name, dict(zip(params, args)))
                 _check.run(comm, public, fields, must, seq)
+            started = True
             result = method(self, comm, *args)
             if isinstance(result, Handle):  # async: a timeout surfaces in wait()
                 result.on_error(_on_error(comm, public, seq))
+                if facts is not None:  # the watchdog answers checks of it while in flight
+                    _note_pending(facts, seq, call, result)
+        except debug.CollectiveMismatchError:
+            if not started and facts is not None:
+                # refused before the backend ran: the call takes no number, so ranks that
+                # go on (catching the error) stay in step with one that runs its call
+                facts.seq -= 1
+            raise
         except Exception as exc:
             better = _on_error(comm, public, seq)(exc)
             if better is not None:
@@ -113,6 +140,8 @@ def watched(method: F) -> F:
             _local.depth = 0
             if facts is not None:
                 facts.call = None
+                if facts.failed is not None and facts.failed[0] == seq:
+                    facts.failed = None  # the call ended after all: nothing to raise
             comm.leave()
         return result
 

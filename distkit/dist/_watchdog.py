@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Any, Optional
 
 from distkit import _registry, _settings
@@ -41,6 +42,9 @@ class _Watchdog:
         self.board: Optional[weakref.ref] = None
         self.seen: dict[tuple[int, str, int], float] = {}  # (facts, group, call) -> since
         self.reported: set[tuple[int, str, int]] = set()
+        self.joined: dict[str, _check.Joined] = {}  # checks this rank takes part in
+        self.lock = threading.Lock()
+        self.finished: deque[str] = deque(maxlen=256)  # ... and the last ones it finished
         self.wake = threading.Event()
         self.stop = False
 
@@ -49,7 +53,7 @@ class _Watchdog:
         or until the interpreter begins to exit."""
         global _started
         while True:
-            self.wake.wait(TICK)
+            self.wake.wait(tick())
             with _start_lock:
                 if self.stop or _registry.current._default_pg is None:
                     _started = None
@@ -61,10 +65,13 @@ class _Watchdog:
 
     def round(self) -> None:
         board = _board.board()
-        if board is None:
+        if board is None or board.dead:
             self.board = None
-        else:
+            return
+        try:
             self.round_on(board)
+        except Exception:  # the store failed: its host went away; stop asking it
+            board.dead = True
 
     def round_on(self, board: _board.Board) -> None:
         if self.board is None or self.board() is not board:  # a new world
@@ -72,10 +79,18 @@ class _Watchdog:
             self.next_call = board.add(board.key("roll"), 0) + 1
             self.seen.clear()
             self.reported.clear()
+            self.joined.clear()
+        if board.host is not None and board.host != board.rank:
+            if board.has(board.key("host-leaving")):  # the store goes with its host
+                board.add(board.key("host-left-heard"), 1)
+                board.dead = True
+                return
         while board.has(board.key("roll", self.next_call)):
             request = board.read(board.key("roll", self.next_call))
             self.next_call += 1
-            self.answer(board, request, self.next_call - 1)
+            if request is not None:
+                self.answer(board, request, self.next_call - 1)
+        self.settle(board)
         self.watch(board)
 
     # -- roll calls -------------------------------------------------------------------
@@ -84,29 +99,67 @@ class _Watchdog:
         me = board.rank
         if me not in request.get("group", ()) or request.get("from") == me:
             return
+        board.post(board.key("roll", k, me), state(board))
         if request.get("kind") == "check":
             self.join(board, request)
-            return
-        board.post(board.key("roll", k, me), state(board))
 
     def join(self, board: _board.Board, request: dict) -> None:
-        """Take part in a check of the call this rank is blocked in, if it is that one."""
+        """Take this rank's part in a check of a call it runs unchecked: blocked in it,
+        or with it in flight (``async_op=True``). Once per check."""
+        key = request["key"]
+        if key in self.joined or key in self.finished:
+            return
         frames = sys._current_frames()
         for facts in _facts():
-            if facts.gid != request["gid"] or facts.seq != request["seq"]:
+            if facts.gid != request["gid"]:
                 continue
-            if not facts.thread or facts.checking or facts.call is None:
+            seq = request["seq"]
+            if facts.thread and facts.seq == seq and not facts.checking and facts.call:
+                call, frame = facts.call, frames.get(facts.thread)
+            elif seq in facts.pending and facts.pending[seq][1]() is not None:
+                call, frame = facts.pending[seq][0], None
+            else:
                 continue
-            error = _check.join(board, facts, request, frames.get(facts.thread))
-            if error is not None:
-                facts.failed = (request["seq"], error)
-                print(
-                    f"distkit: rank {board.rank} is blocked in {facts.call[0]}, which does not "
-                    "match the call of other ranks (it raises this error when that call "
-                    f"ends):\n{error}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            site = debug.call_site(frame) if frame is not None else "(in flight: async_op=True)"
+            joined = _check.Joined(facts, request, call, site, board.rank)
+            self.joined[key] = joined
+            joined.add(board)
+            return
+
+    def settle(self, board: _board.Board, only: Any = None) -> Optional[BaseException]:
+        """Follow the checks this rank took part in for its blocked calls, to their
+        verdict; a mismatch is printed at once, and raised if the blocked call fails.
+
+        ``only``: ``(facts, seq)`` of one blocked call, whose error (if any) is returned.
+        """
+        found = None
+        with self.lock:  # the watchdog and a failing call may both settle a check
+            for key, joined in list(self.joined.items()):
+                if only is not None and (joined.facts, joined.request["seq"]) != only:
+                    continue
+                finished, error = joined.verdict(board)
+                if finished:
+                    del self.joined[key]
+                    self.finished.append(key)
+                    if error is not None:
+                        self.tell(board, joined, error)
+                        found = error
+        return found
+
+    def tell(self, board: _board.Board, joined: _check.Joined, error: BaseException) -> None:
+        """Record ``error`` for the blocked call (raised if it fails), and print it now."""
+        facts, seq = joined.facts, joined.request["seq"]
+        if facts.thread and facts.seq == seq:
+            facts.failed = (seq, error)
+        print(
+            f"distkit: rank {board.rank} is in {joined.call[0]} (its call #{seq} on "
+            f"{joined.request['label']}) at {joined.site}, and rank "
+            f"{joined.request['from']} checked that call: they disagree. The checking "
+            "ranks raise; this rank raises the same error if its call fails.\n"
+            f"{error}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     # -- stuck collectives ------------------------------------------------------------
 
@@ -140,6 +193,13 @@ class _Watchdog:
 _table: dict[int, Any] = {}  # the group facts of distkit.dist._comm (see ensure)
 
 
+def tick() -> float:
+    """Seconds between rounds: :data:`TICK`, or less for groups with short timeouts (a
+    check one rank makes alone must end well within them)."""
+    shortest = min((f.timeout for f in _facts() if f.timeout), default=None)
+    return TICK if shortest is None else max(0.05, min(TICK, shortest / 8))
+
+
 def _facts() -> list[Any]:
     return list(_table.values())
 
@@ -154,30 +214,34 @@ def _ranks_of(facts: Any) -> list[int]:
 
 
 def state(board: _board.Board) -> dict:
-    """Where this rank is: the collectives it waits in, and its main thread's line."""
+    """Where this rank is: the collectives it waits in (``in``), those it has in flight
+    (``flight``, ``async_op=True``), and its main thread's line (``at``)."""
     frames = sys._current_frames()
-    inside = []
+    inside, flight = [], []
     busy = set()
     for facts in _facts():
         call, thread = facts.call, facts.thread
-        if not thread or call is None:
-            continue
-        busy.add(thread)
-        inside.append(
-            {
-                "group": _ranks_of(facts),
-                "gid": facts.gid,
-                "seq": facts.seq,
-                "call": call[0],
-                "checking": facts.checking,
-                "site": debug.call_site(frames.get(thread)),
-            }
-        )
+        ranks = _ranks_of(facts)
+        if thread and call is not None:
+            busy.add(thread)
+            inside.append(
+                {
+                    "group": ranks,
+                    "gid": facts.gid,
+                    "seq": facts.seq,
+                    "call": call[0],
+                    "checking": facts.checking,
+                    "site": debug.call_site(frames.get(thread)),
+                }
+            )
+        for seq, (pending, handle) in list(facts.pending.items()):
+            if handle() is not None:
+                flight.append({"group": ranks, "gid": facts.gid, "seq": seq, "call": pending[0]})
     main = threading.main_thread().ident
     at = None
     if main not in busy and main in frames:
         at = debug.call_site(frames[main])
-    return {"rank": board.rank, "in": inside, "at": at, "pid": os.getpid()}
+    return {"rank": board.rank, "in": inside, "flight": flight, "at": at, "pid": os.getpid()}
 
 
 def _report(board: _board.Board, facts: Any, call: str, seq: int, waited: float) -> None:
@@ -271,6 +335,25 @@ def _stop_at_exit() -> None:
         found[0].stop = True
         found[0].wake.set()
         found[1].join(timeout=2 * TICK + 5.0)
+
+
+def verdict(facts: Any, seq: int, seconds: float = 2.0) -> Optional[BaseException]:
+    """The mismatch another rank's check found in call ``seq`` of ``facts``' group while
+    this rank ran it unchecked (blocked in the backend), waiting up to ``seconds`` for the
+    check to end; ``None`` when there is none. For a call that failed because its peer
+    left: the peer may have left because of that check."""
+    found = _running
+    board = _board.board()
+    if found is None or board is None:
+        return None
+    dog = found[0]
+    deadline = time.monotonic() + seconds
+    while any(j.facts is facts and j.request["seq"] == seq for j in list(dog.joined.values())):
+        error = dog.settle(board, (facts, seq))
+        if error is not None or time.monotonic() >= deadline:
+            return error
+        time.sleep(_board.POLL)
+    return None
 
 
 def ensure(table: dict[int, Any]) -> None:

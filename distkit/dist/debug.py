@@ -173,6 +173,12 @@ def signature(name: str, args: dict[str, Any]) -> tuple[str, dict, dict]:
     if serializer is not None:
         fields["serializer"] = serializer
     must = MUST_MATCH[name]
+    if name == "all_to_all_single" and isinstance(fields.get("data"), dict):
+        must = (*must, "data.rows", "sizes")  # rows of one shape; sizes sent alike
+        fields["data"]["rows"] = fields["data"]["shape"][1:]
+        given = args.get("output_split_sizes") is not None
+        inferred = not given and args.get("input_split_sizes") is not None
+        fields["sizes"] = "inferred" if inferred else "given" if given else "even"
     if name in ("all_gather", "gather") and fields.get("same_shape"):
         must = (*must, "data.shape")  # the promise: gloo aborts dst's process if broken
     if name in ("reduce_scatter", "all_to_all") and isinstance(fields.get("data"), dict):
@@ -227,7 +233,7 @@ def exchange(comm: Comm, payload: Any) -> list[Any]:
     return [json.loads(t) for t in texts]
 
 
-def _splits(fields: dict, size: int) -> tuple[list[int], Optional[list[int]]]:
+def splits(fields: dict, size: int) -> tuple[list[int], Optional[list[int]]]:
     """Rows an all_to_all_single call sends to each rank, and expects from each (if said)."""
     rows = fields["data"]["shape"][0] if fields["data"]["shape"] else 0
     sent = fields.get("input_split_sizes") or [rows // size] * size
@@ -237,14 +243,14 @@ def _splits(fields: dict, size: int) -> tuple[list[int], Optional[list[int]]]:
     return list(sent), None if expected is None else list(expected)
 
 
-def _inconsistent(name: str, calls: list[dict]) -> list[str]:
+def inconsistent(name: str, calls: list[dict]) -> list[str]:
     """What the ranks' calls promise each other but do not hold (beyond equal fields)."""
     problems: list[str] = []
     if name == "all_to_all_single" and all(
         isinstance(c["fields"].get("data"), dict) for c in calls
     ):
         size = len(calls)
-        plans = [_splits(c["fields"], size) for c in calls]
+        plans = [splits(c["fields"], size) for c in calls]
         for r, (_, expected) in enumerate(plans):
             for s, (sent, _) in enumerate(plans):
                 if expected is not None and expected[s] != sent[r]:
@@ -264,7 +270,7 @@ def check(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
     calls = exchange(comm, mine)
     first = calls[0]
     same = all(c["call"] == first["call"] and c["must"] == first["must"] for c in calls)
-    problems = _inconsistent(public, calls) if same else []
+    problems = inconsistent(public, calls) if same else []
     if same and not problems:
         return
     lines = [

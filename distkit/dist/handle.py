@@ -25,7 +25,7 @@ class Handle(Generic[T]):
         tensor([1., 1.])
     """
 
-    __slots__ = ("_finish", "_on_error", "_result", "_works")
+    __slots__ = ("__weakref__", "_finish", "_on_error", "_result", "_works")
 
     def __init__(self, works: list[Any], finish: Callable[[], T]) -> None:
         self._works: Optional[list[Any]] = works

@@ -168,10 +168,17 @@ def gone_error(
     """The error for ``gone`` (exit notes or descriptions, by global rank) having left
     while this rank waited in call ``seq`` (``exc``: the backend's error, if any)."""
     gone = {int(r): note for r, note in gone.items()}
+
+    def when(item: tuple[int, Any]) -> tuple[float, int]:
+        note = item[1]
+        return (note.get("t", float("inf")) if isinstance(note, dict) else float("inf"), item[0])
+
     told = [
         describe_exit(r, note) if isinstance(note, dict) else f"rank {r} {note}"
-        for r, note in sorted(gone.items())
+        for r, note in sorted(gone.items(), key=when)
     ]
+    if len(told) > 1:  # in the order they left: the first is the likely cause
+        told = [f"{told[0]} first", *(f"then {t}" for t in told[1:])]
     ranks = comm.global_ranks()
     default = comm.pg is _registry.current._default_pg
     text = (

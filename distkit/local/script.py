@@ -219,6 +219,7 @@ class _Launch:
             try:
                 note = json.loads(bytes(store.get(key))) if store.check([key]) else {}
                 note["code"] = r.proc.returncode
+                note.setdefault("t", time.time())
                 store.set(key, json.dumps(note))
             except Exception:  # the store is shutting down
                 pass
