@@ -637,7 +637,7 @@ print(f"rank {r} ok", flush=True)
 def test_a_one_sided_check_fits_in_a_short_timeout(tmp_path):
     proc = _launch(tmp_path, ASYMMETRIC)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(proc.stdout.split("\n")) == ["", "rank 0 ok", "rank 1 ok"]
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout, proc.stdout
 
 
 TWIN = "import distkit.dist as dist\n\n\ndef sync(x):\n    return dist.all_reduce(x)\n"
