@@ -296,6 +296,47 @@ def test_cli_interrupted_says_so_and_stops_the_ranks(sig, whole_group, tmp_path)
     no_survivors(mark, tmp_path)
 
 
+STUCK_IN_DIFFERENT_CALLS = """
+import os, torch, distkit.dist as dist
+dist.init_dist()
+with open(os.path.join({folder!r}, "ready-" + os.environ["RANK"]), "w"):
+    pass
+if dist.get_rank() == 0:
+    dist.all_reduce(torch.ones(4))  # line 7: rank 1 never comes here
+else:
+    dist.broadcast(torch.ones(8))  # line 9
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_cli_interrupted_says_where_each_rank_was(sig, tmp_path):
+    """Ranks hung in different collectives (the default check is off, so gloo waits):
+    the report names each rank's collective and line."""
+    mark = uuid.uuid4().hex
+    script = tmp_path / "script.py"
+    script.write_text(STUCK_IN_DIFFERENT_CALLS.format(folder=str(tmp_path)))
+    args = ["-m", "distkit", "launch", "-n", "2", str(script)]
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = script_env(**{MARK: mark, "TMPDIR": str(tmp), "DISTKIT_CHECK": "0"})
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert wait_for(lambda: ready(tmp_path, 2), 120), finish(proc, 10)
+    time.sleep(1.0)  # both ranks inside their collective
+    os.killpg(proc.pid, sig)  # the whole group, as Ctrl-C at a terminal
+    code, _, err = finish(proc, 60)
+    assert code == 128 + sig, err
+    assert f"rank 0 was in dist.all_reduce at {script}:7 in <module>" in err, err
+    assert f"rank 1 was in dist.broadcast at {script}:9 in <module>" in err, err
+
+
 # -- nothing left in the temporary directory ----------------------------------------------------
 
 OK = "import torch.distributed\n"

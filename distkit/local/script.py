@@ -511,6 +511,9 @@ def _report(
             where = _where(report["traceback"], False) if report else None
             if where is None and r.rank in stacks:
                 where = _where(_main_thread(stacks[r.rank]), True)
+            if where is None and r.data["stack"]:  # what it dumped as a signal ended it
+                dumped = bytes(r.data["stack"]).decode("utf-8", "replace")
+                where = _where(_main_thread(dumped), True)
             if where:
                 lines.append(f"  rank {r.rank} was {where}")
     for i, r in enumerate(failed):
@@ -581,6 +584,9 @@ def _as_rank(argv: list[str]) -> None:
     stacks = _channel("DISTKIT_STACK_FD")
     if stacks is not None:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        # a SIGTERM sent to every process (a job scheduler, kill -TERM -<group>) ends
+        # the rank at once: leave the launcher its stack first, to say where it was
+        faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
     module = argv[0] == "--module"
     target = argv[1] if module else argv[0]
     rest = argv[2:] if module else argv[1:]
