@@ -1,6 +1,10 @@
-"""The few places where distkit reaches past torch.distributed's public API.
+"""The few places where distkit reaches past torch's public API.
 
-Each one is here, with the reason, so a torch upgrade has one file to check.
+Each one is here, with the reason, so a torch upgrade has one file to check, and each
+has a public fallback: on a torch where a private name is gone or has changed, distkit
+takes the public path (slower, or less precise in a message) instead of breaking.
+``tests/test_compat.py`` runs the core collectives with every private name removed, and
+``tests/test_layout.py`` checks that no other module names torch's private API.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as td
+from torch import Tensor
 
 AVAILABLE = td.is_available()
 F = TypeVar("F", bound=Callable[..., Any])
@@ -114,6 +119,63 @@ def disable(fn: F, reason: str) -> F:
         return torch._dynamo.disable(fn, reason=reason)  # type: ignore[call-arg, unused-ignore]
     except TypeError:  # torch < 2.8: no reason
         return torch._dynamo.disable(fn)
+
+
+# -- the hot path -----------------------------------------------------------------------
+
+#: Whether a tensor overrides torch functions (``__torch_function__``, a mode is active):
+#: torch's own fast test, or ``None`` when this torch lacks it (then the lean lane of
+#: ``all_reduce`` steps aside for the checked path).
+has_torch_function_unary: Optional[Callable[[Any], bool]] = getattr(
+    torch._C, "_has_torch_function_unary", None
+)
+
+
+def coalescing(world: Any, pg: Any) -> bool:
+    """Whether ``pg`` is inside torch's ``_coalescing_manager`` (collectives are queued,
+    not run). Unknown on a torch without the registry's record: then say yes, so that the
+    lean lane steps aside."""
+    state = getattr(world, "pg_coalesce_state", None)
+    return True if state is None else pg in state
+
+
+def internal_overlap(t: Tensor) -> bool:
+    """Whether some elements of ``t`` share memory (an ``expand()``ed view): torch's own
+    test, or, without it, a zero stride on a dimension of several elements."""
+    probe = getattr(torch, "_debug_has_internal_overlap", None)
+    if probe is not None:
+        return bool(probe(t) == 1)
+    return any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride()))
+
+
+def flatten_dense(tensors: list[Tensor]) -> Tensor:
+    """``tensors`` concatenated flat (torch's bucketing helper, or its public equivalent)."""
+    fn = getattr(getattr(torch, "_utils", None), "_flatten_dense_tensors", None)
+    if fn is not None:
+        return fn(tensors)
+    return torch.cat([t.contiguous().view(-1) for t in tensors])
+
+
+def unflatten_dense(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
+    """Views of ``flat`` shaped as ``tensors`` (the inverse of :func:`flatten_dense`)."""
+    fn = getattr(getattr(torch, "_utils", None), "_unflatten_dense_tensors", None)
+    if fn is not None:
+        return list(fn(flat, tensors))
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at : at + t.numel()].view_as(t))
+        at += t.numel()
+    return out
+
+
+def functional_collectives() -> Any:
+    """torch's functional collectives (what ``torch.compile`` traces), or ``None`` when this
+    torch lacks them (then every collective runs eagerly between graphs)."""
+    try:
+        import torch.distributed._functional_collectives as fc
+    except ImportError:
+        return None
+    return fc
 
 
 def run_at_trace_time(fn: F) -> F:

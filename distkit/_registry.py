@@ -11,7 +11,7 @@ importing torch (over a second). Until torch's distributed module is loaded,
 torch's own registry object, read directly (18 ns, against 146 ns for
 ``torch.distributed.is_initialized()``). Readers must look it up through the module
 (``_registry.current``), never bind it to a name of their own, so they see the switch;
-the compiled shortcuts (:mod:`distkit.dist._shortcut`) hold it in a closure cell
+the compiled shortcuts (:mod:`distkit.dist.core.shortcut`) hold it in a closure cell
 registered with :func:`watch`, which the switch updates.
 
 A process that a launcher started as one rank of several (torchrun, srun, mpirun) but
@@ -20,7 +20,7 @@ each rank would silently train alone. So the shortcuts of collectives read the q
 through a *guard* instead (:func:`guard`): until the first collective it is an object that
 decides, once, from the environment; then it is :data:`current` itself (no launcher, or
 ``DISTKIT_INDEPENDENT=1``: nothing more to pay) or a trap that sends every collective
-without a process group to :func:`distkit.dist._comm.resolve`, which raises.
+without a process group to :func:`distkit.dist._route.resolve`, which raises.
 """
 
 from __future__ import annotations

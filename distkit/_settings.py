@@ -36,7 +36,7 @@ _DEFAULTS: dict[str, Any] = {
     # cross-rank checks before every collective (DISTKIT_DEBUG=1)
     "debug": _flag("DISTKIT_DEBUG"),
     # the default cross-rank check of the first calls at each call site and a sample of
-    # the rest (DISTKIT_CHECK=0 turns it off; see distkit.dist._check)
+    # the rest (DISTKIT_CHECK=0 turns it off; see distkit.dist.guard.check)
     "check": _flag("DISTKIT_CHECK", default=True),
     # seconds a rank waits in one collective before distkit reports who has not arrived
     # and where every rank is (DISTKIT_STUCK_AFTER; 0 turns the report off)

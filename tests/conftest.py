@@ -71,7 +71,9 @@ def collective_calls(mark_async: bool = False):
     """
     import torch.distributed as td
 
-    from distkit.dist import _torch, _torch_objects, _uneven
+    from distkit.dist.backends import objects as _torch_objects
+    from distkit.dist.backends import tensors as _torch
+    from distkit.dist.backends import uneven as _uneven
 
     calls: list[str] = []
 

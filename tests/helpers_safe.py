@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from distkit.dist import _wire
+from distkit.dist.codec import wire as _wire
 
 try:
     from numpy._core.multiarray import _reconstruct
@@ -102,7 +102,7 @@ def tensor_ref(index: int, dtype: str, shape: tuple[int, ...], device: str = "cp
     """A skeleton fragment calling the tensor-reference global (no grad, no Parameter)."""
     dims = b"".join(integer(d) for d in shape)
     return (
-        glob("distkit.dist._wire", "_tensor_ref")
+        glob("distkit.dist.codec.wire", "_tensor_ref")
         + MARK
         + integer(index)
         + text(dtype)

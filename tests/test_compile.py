@@ -340,7 +340,7 @@ _FLOAT8 = [
 ]
 _FLOAT4 = [getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n)]
 #: every dtype the eager collectives accept on gloo (gloo itself refuses int16, the wide
-#: unsigned types, float8 and float4, which distkit carries: see distkit.dist._gloo)
+#: unsigned types, float8 and float4, which distkit carries: see distkit.dist.backends.gloo)
 EVERY_DTYPE = [
     torch.bool,
     torch.uint8,

@@ -1,7 +1,7 @@
 """Every dtype a single process accepts works on gloo ranks too.
 
 gloo refuses int16, uint16, uint32, uint64 and the float8 types ("Invalid scalar type");
-distkit carries them as bytes and reduces them in a wider type (``distkit.dist._gloo``).
+distkit carries them as bytes and reduces them in a wider type (``distkit.dist.backends.gloo``).
 Each case computes its expected value in float64 from what every rank passed.
 """
 

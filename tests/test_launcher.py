@@ -150,8 +150,8 @@ def test_collectives_do_not_import_the_compiler_until_torch_compile_does():
         "    return 'torch._dynamo' in sys.modules\n"
         "print(step(), distkit.launch(step, nprocs=2, timeout=120))\n"
         "import torch._dynamo\n"
-        "from distkit.dist import _comm\n"
-        "print(sorted(_comm._EAGER) == sorted(_comm._EAGER_METHODS))\n"
+        "from distkit.dist import _route\n"
+        "print(sorted(_route._EAGER) == sorted(_route._EAGER_METHODS))\n"
     )
     assert run(["-c", code]).stdout.split() == ["False", "[False,", "False]", "True"]
 

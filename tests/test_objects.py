@@ -12,7 +12,7 @@ import torch
 from conftest import WORLDS, world
 
 import distkit.dist as dist
-from distkit.dist import _torch_objects
+from distkit.dist.backends import objects as _torch_objects
 from distkit.testing import ranks
 
 Point = collections.namedtuple("Point", "x y")

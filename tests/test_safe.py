@@ -43,7 +43,8 @@ from helpers_safe import (
 from helpers_subprocess import run
 
 import distkit.dist as dist
-from distkit.dist import _safe, _wire
+from distkit.dist.codec import safe as _safe
+from distkit.dist.codec import wire as _wire
 from distkit.testing import ranks
 
 try:
@@ -169,7 +170,7 @@ def test_numpy_arrays_scalars_and_dtypes_of_plain_data_still_decode():
     ],
 )
 def test_numpy_array_constructor_checks_its_arguments(args):
-    from distkit.dist import _plain
+    from distkit.dist.codec import plain as _plain
 
     refused(encoded(Reduce(_plain.numpy_array, args)))
 
@@ -185,7 +186,7 @@ def test_numpy_array_constructor_checks_its_arguments(args):
     ],
 )
 def test_numpy_scalar_constructor_checks_its_arguments(args):
-    from distkit.dist import _plain
+    from distkit.dist.codec import plain as _plain
 
     refused(encoded(Reduce(_plain.numpy_scalar, args)))
 
@@ -242,7 +243,7 @@ def test_state_cannot_be_set_on_built_objects():
 
 def refs(*metas: tuple, blobs: tuple[bytes, ...] = (bytes(8), bytes(8))) -> _wire.Encoded:
     """A payload of tensor references with the given arguments (two 8-byte CPU blobs)."""
-    body = b"".join(call("distkit.dist._wire", "_tensor_ref", *meta) for meta in metas[:1])
+    body = b"".join(call("distkit.dist.codec.wire", "_tensor_ref", *meta) for meta in metas[:1])
     if len(metas) > 1:  # one fragment per skeleton: pickle's memo indices start at 0
         body = MARK + b"".join(tensor_ref(*meta) for meta in metas) + TUPLE
     return frame(PROTO + body + STOP, blobs)
@@ -301,7 +302,8 @@ IMPORTS = """
 import sys
 import torch
 from helpers_safe import PROTO, STOP, frame, glob, tensor_ref
-from distkit.dist import UnsafeObjectError, _wire
+from distkit.dist import UnsafeObjectError
+from distkit.dist.codec import wire as _wire
 
 payloads = [
     frame(PROTO + glob("torch", "_dynamo") + STOP),
@@ -455,7 +457,7 @@ def test_many_tuples_decode():
 
 
 def test_tuples_nested_beyond_the_stack_cap_are_refused(monkeypatch):
-    from distkit.dist import _opcodes
+    from distkit.dist.codec import opcodes as _opcodes
 
     monkeypatch.setattr(_opcodes, "MAX_STACK", 16 << 20)  # room for about 60k levels
     skeleton = PROTO + EMPTY_DICT + b")" + b"\x85" * 100_000 + NONE + SETITEM + STOP

@@ -24,7 +24,7 @@ from helpers_subprocess import script_env, torchrun
 
 import distkit.dist as dist
 from distkit import _registry, _settings
-from distkit.dist import _check
+from distkit.dist.guard import check as _check
 from distkit.testing import ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -270,7 +270,7 @@ def _counting_checks():
 
 @ranks(2, 3)
 def test_the_first_calls_at_each_site_are_checked_then_a_sample_by_call_number():
-    from distkit.dist._comm import resolve
+    from distkit.dist._route import resolve
 
     facts = resolve(None, "all_reduce")._facts
     t = torch.ones(1)

@@ -17,7 +17,8 @@ from helpers_subprocess import run
 
 import distkit.dist as dist
 from distkit import _settings
-from distkit.dist import _torch_objects, _wire
+from distkit.dist.backends import objects as _torch_objects
+from distkit.dist.codec import wire as _wire
 from distkit.testing import ranks
 
 Pair = collections.namedtuple("Pair", "left right")

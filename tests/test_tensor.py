@@ -549,7 +549,7 @@ def test_all_to_all_keeps_this_ranks_own_chunk_out_of_the_collective(monkeypatch
     nor sent to itself: its split is 0 bytes (same shapes) or its header alone (uneven)."""
     import torch.distributed as td
 
-    from distkit.dist import _uneven
+    from distkit.dist.backends import uneven as _uneven
 
     rank, size = world()
     splits = []

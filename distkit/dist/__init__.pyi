@@ -1,10 +1,13 @@
 # The public names of ``distkit.dist``: type checkers read this file, and so does the
 # lazy loader in __init__.py (every "from module import name as name" line is one name).
 from distkit._compat import ReduceOp as ReduceOp
-from distkit.dist._comm import GroupLike as GroupLike
-from distkit.dist.debug import CollectiveMismatchError as CollectiveMismatchError
+from distkit.dist.core.comm import GroupLike as GroupLike
 from distkit.dist.debug import get_debug as get_debug
 from distkit.dist.debug import set_debug as set_debug
+from distkit.dist.errors import CollectiveMismatchError as CollectiveMismatchError
+from distkit.dist.errors import CollectiveTimeoutError as CollectiveTimeoutError
+from distkit.dist.errors import RankGoneError as RankGoneError
+from distkit.dist.errors import UnsafeObjectError as UnsafeObjectError
 from distkit.dist.evaluation import ResultStream as ResultStream
 from distkit.dist.evaluation import collect_results as collect_results
 from distkit.dist.evaluation import collect_results_cpu as collect_results_cpu
@@ -24,7 +27,6 @@ from distkit.dist.objects import broadcast_object as broadcast_object
 from distkit.dist.objects import broadcast_object_list as broadcast_object_list
 from distkit.dist.objects import gather_object as gather_object
 from distkit.dist.objects import scatter_object_list as scatter_object_list
-from distkit.dist.serializer import UnsafeObjectError as UnsafeObjectError
 from distkit.dist.serializer import get_serializer as get_serializer
 from distkit.dist.serializer import set_serializer as set_serializer
 from distkit.dist.tensor import all_gather as all_gather
@@ -37,8 +39,6 @@ from distkit.dist.tensor import gather as gather
 from distkit.dist.tensor import reduce as reduce
 from distkit.dist.tensor import reduce_scatter as reduce_scatter
 from distkit.dist.tensor import scatter as scatter
-from distkit.dist.timeouts import CollectiveTimeoutError as CollectiveTimeoutError
-from distkit.dist.timeouts import RankGoneError as RankGoneError
 from distkit.dist.world import get_backend as get_backend
 from distkit.dist.world import get_default_group as get_default_group
 from distkit.dist.world import get_dist_info as get_dist_info

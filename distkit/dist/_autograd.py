@@ -27,9 +27,9 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from distkit.dist._args import fail
-from distkit.dist._comm import Comm, resolve
-from distkit.dist._ops import OPS, Op
+from distkit.dist._route import resolve
+from distkit.dist.core.args import OPS, Op, fail
+from distkit.dist.core.comm import Comm
 
 _DIFFERENTIABLE = ("sum", "mean")
 

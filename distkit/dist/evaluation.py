@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-import struct
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from itertools import chain, zip_longest
 from types import TracebackType
@@ -12,10 +11,14 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from distkit.dist import _args, _stream, _wire
-from distkit.dist import serializer as _serializer
-from distkit.dist._backend import ObjectCall
-from distkit.dist._comm import Comm, GroupLike, resolve
+from distkit.dist._route import resolve
+from distkit.dist.backends import stream as _stream
+from distkit.dist.backends.base import ObjectCall
+from distkit.dist.codec import policy
+from distkit.dist.codec import wire as _wire
+from distkit.dist.core import args as _args
+from distkit.dist.core import layouts
+from distkit.dist.core.comm import Comm, GroupLike
 from distkit.utils.console import track
 
 ORDERS = ("interleaved", "contiguous")
@@ -294,7 +297,7 @@ def collect_results(
     indices = _check(fn, comm, results, size, order, indices, sampler)
     if dst is not None:
         dst = _args.rank(dst, "dst", fn, comm)
-    call = ObjectCall(fn, None, _serializer.resolve(serializer, fn, comm))
+    call = ObjectCall(fn, None, policy.resolve(serializer, fn, comm))
     collected = _Collected(comm, call, dst, results, indices)
     steps: Iterable[int] = range(1, collected.step(0))  # the first round tells the rest
     if comm.rank == (dst or 0):
@@ -417,24 +420,26 @@ class _Collected:
         (then the first failure, by rank, counts). (rounds, (rank, failure) or None)."""
         comm = self.comm
         raw = bytearray(STATUS_BYTES)
-        text = b"" if failure is None else failure.encode(STATUS_BYTES - 16)
-        struct.pack_into("<2q", raw, 0, rounds, len(text))
-        raw[16 : 16 + len(text)] = text
+        head = layouts.ROUND_STATUS.size
+        text = b"" if failure is None else failure.encode(STATUS_BYTES - head)
+        layouts.ROUND_STATUS.pack_into(raw, 0, rounds, len(text))
+        raw[head : head + len(text)] = text
         mine = torch.frombuffer(raw, dtype=torch.uint8)
         rows: dict[int, Tensor]
         if self.dst is not None:
-            rows = {self.dst: comm.backend.broadcast(comm, mine, self.dst, False)}  # type: ignore[dict-item]
+            rows = {self.dst: comm.backend.broadcast(comm, mine, self.dst, False)}
         else:
             everyone = comm.backend.all_gather(comm, mine, False, True)
-            rows = dict(enumerate(everyone))  # type: ignore[arg-type]
+            rows = dict(enumerate(everyone))
         outcome: Optional[tuple[int, _stream.Failure]] = None
         total = 0
         for r, row in rows.items():
             got = _wire.bytes_view(row.cpu().contiguous())
-            n_rounds, n = struct.unpack_from("<2q", got, 0)
+            n_rounds, n = layouts.ROUND_STATUS.unpack_from(got, 0)
             total = max(total, n_rounds)
             if n and outcome is None:
-                outcome = (r, _stream.Failure.decode(bytes(got[16 : 16 + min(n, STATUS_BYTES)])))
+                body = got[head : head + min(n, STATUS_BYTES)]
+                outcome = (r, _stream.Failure.decode(bytes(body)))
         return total, outcome
 
 
@@ -663,8 +668,8 @@ def iter_results(
             comm,
             f"chunk_bytes must be a positive int, got {_args.show(chunk_bytes)}",
         )
-    call = ObjectCall(fn, None, _serializer.resolve(serializer, fn, comm))
-    if comm.size == 1:
+    call = ObjectCall(fn, None, policy.resolve(serializer, fn, comm))
+    if comm.alone:
         plan, error, _ = _plan(fn, comm, results, size, indices, 0, "")
         if error is not None:
             raise error
@@ -778,7 +783,7 @@ def _open(
     chunk_bytes: int,
     call: ObjectCall,
 ) -> ResultStream:
-    """Open a stream on a group of several ranks (see :mod:`distkit.dist._stream`)."""
+    """Open a stream on a group of several ranks (see :mod:`distkit.dist.backends.stream`)."""
     comm, fn, dst = opened.comm, opened.fn, opened.dst
     rank = comm.rank
     inline_bytes = min(PACK_BYTES, chunk_bytes // comm.size) if rank != dst else 0

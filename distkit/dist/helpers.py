@@ -10,11 +10,12 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from distkit.dist import _args, _ops
-from distkit.dist._comm import Comm, GroupLike, resolve
-from distkit.dist._ops import OpLike
+from distkit._compat import flatten_dense, unflatten_dense
+from distkit.dist._route import resolve
+from distkit.dist.core import args as _args
+from distkit.dist.core.args import OpLike
+from distkit.dist.core.comm import Comm, GroupLike
 from distkit.dist.objects import all_gather_object
 from distkit.dist.tensor import all_reduce, broadcast
 
@@ -41,9 +42,9 @@ def _buckets(tensors: list[Tensor], bucket_bytes: int) -> list[list[Tensor]]:
 
 def _reduce_coalesced(tensors: list[Tensor], op: str, group: GroupLike, bucket_bytes: int) -> None:
     for bucket in _buckets(tensors, bucket_bytes):
-        flat = _flatten_dense_tensors(bucket)
+        flat = flatten_dense(bucket)
         all_reduce(flat, op, group)
-        for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+        for t, reduced in zip(bucket, unflatten_dense(flat, bucket)):
             t.detach().copy_(reduced)
 
 
@@ -184,12 +185,12 @@ def all_reduce_dict(
     comm = resolve(group, fn)
     if not isinstance(data, Mapping):
         _args.fail(TypeError, fn, comm, f"data must be a dict of tensors, got {_args.show(data)}")
-    rop = _ops.resolve(op, fn, comm)
+    rop = _args.resolve(op, fn, comm)
     keys = sorted(data, key=str)
     for k in keys:
         _args.tensor(data[k], f"data[{k!r}]", fn, comm)
-        _ops.check_dtype(rop, data[k], f"data[{k!r}]", fn, comm)
-    if comm.pg is None:
+        _args.check_dtype(rop, data[k], f"data[{k!r}]", fn, comm)
+    if comm.alone:
         return data
     _same_layout(data, keys, comm, fn)
     if keys:
@@ -236,7 +237,7 @@ def all_reduce_params(
     """
     fn = "all_reduce_params"
     comm = resolve(group, fn)
-    rop = _ops.resolve(op, fn, comm)
+    rop = _args.resolve(op, fn, comm)
     _args.flag(coalesce, "coalesce", fn, comm)
     if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
         _args.fail(
@@ -249,8 +250,8 @@ def all_reduce_params(
     tensors = list(params)
     for i, t in enumerate(tensors):
         _args.tensor(t, f"params[{i}]", fn, comm)
-        _ops.check_dtype(rop, t, f"params[{i}]", fn, comm)
-    if comm.pg is None:
+        _args.check_dtype(rop, t, f"params[{i}]", fn, comm)
+    if comm.alone:
         return tensors
     data = [t.data for t in tensors]
     if coalesce:
@@ -296,7 +297,7 @@ def sync_random_seed(group: GroupLike = None) -> int:
     """
     comm = resolve(group, "sync_random_seed")
     seed = _draw_seed()
-    if comm.pg is None:
+    if comm.alone:
         return seed
     t = torch.tensor([seed], dtype=torch.int64)
     return int(broadcast(t, 0, group).item())

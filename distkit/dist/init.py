@@ -152,8 +152,10 @@ def init_dist(
 def _watch_world() -> None:
     """Set up, from the start, what lets the other ranks know about this one: the exit
     note it leaves on the store and the watchdog that answers roll calls (see
-    :mod:`distkit.dist._board`). Without ``init_dist``, the first collective does it."""
-    from distkit.dist import _board, _comm, _watchdog
+    :mod:`distkit.dist.guard.board`). Without ``init_dist``, the first collective does it."""
+    from distkit.dist.core import comm as _comm
+    from distkit.dist.guard import board as _board
+    from distkit.dist.guard import watchdog as _watchdog
 
     pg = _registry.current._default_pg
     if pg is not None and pg.size() > 1 and _board.board() is not None:

@@ -4,7 +4,7 @@ Tensors inside the objects (in lists, tuples, dicts, dataclasses, namedtuples) a
 pickled: they travel as raw bytes through tensor collectives, on the accelerator when the
 backend has one, and arrive on the receiving rank's device (``map_location`` chooses
 another). Only the rest of the object is pickled. Small objects take one round; see
-:mod:`distkit.dist._torch_objects` for the protocol.
+:mod:`distkit.dist.backends.objects` for the protocol.
 
 Aliasing, the same in every world: what comes back from this rank is the caller's own
 object, not a copy (``all_gather_object(x)[rank] is x``); what comes from other ranks is
@@ -23,16 +23,20 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from distkit.dist import _args, _pickling, serializer
-from distkit.dist._backend import ObjectCall
-from distkit.dist._comm import Comm, GroupLike, resolve
-from distkit.dist._shortcut import shortcut
+from distkit.dist._route import resolve
+from distkit.dist.backends.base import ObjectCall
+from distkit.dist.codec import pickling as _pickling
+from distkit.dist.codec import policy
+from distkit.dist.core import args as _args
+from distkit.dist.core import spec
+from distkit.dist.core.comm import Comm, GroupLike
+from distkit.dist.core.shortcut import shortcut
 
 
 def _call(fn: str, comm: Comm, map_location: Any, serializer_name: Optional[str]) -> ObjectCall:
     """Check the options every object collective takes."""
     device = _args.map_location(map_location, fn, comm)
-    return ObjectCall(fn, device, serializer.resolve(serializer_name, fn, comm))
+    return ObjectCall(fn, device, policy.resolve(serializer_name, fn, comm))
 
 
 _ATOMS = _pickling.ATOMS
@@ -57,13 +61,12 @@ def _never(data: Any) -> bool:
 # The single-process shortcut returns atoms, tensors and flat dicts of atoms (a step's
 # metrics) at once; nothing while DISTKIT_SERIALIZER is bad, so that the checked
 # path raises the error a world of many ranks would.
-@shortcut(
-    "[data]",
-    data=(_ALWAYS, _flat_dict) if serializer.ENV_OK else _never,
-    group=None,
-    map_location=None,
-    serializer=None,
+_RETURNS, _WHEN = spec.shortcut_of(
+    "all_gather_object", {"plain object": (_ALWAYS, _flat_dict) if policy.ENV_OK else _never}
 )
+
+
+@shortcut(_RETURNS, **_WHEN)
 def all_gather_object(
     data: Any,
     group: GroupLike = None,

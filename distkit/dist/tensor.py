@@ -11,21 +11,32 @@ do not require grad; an in-place result is the caller's tensor, with whatever au
 history it had before the call. (For gradients through a collective, see ``grad=``.)
 
 ``src`` and ``dst`` are ranks within ``group``. The hottest calls carry a compiled
-shortcut (:mod:`distkit.dist._shortcut`) that returns at once in a single process when
+shortcut (:mod:`distkit.dist.core.shortcut`) that returns at once in a single process when
 their arguments are the defaults.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union, overload
+from typing import Any, Literal, Optional, Union, overload
 
 from torch import Tensor
 
-from distkit.dist import _args, _autograd, _lane, _ops
-from distkit.dist._comm import Comm, GroupLike, resolve
-from distkit.dist._ops import OpLike
-from distkit.dist._shortcut import shortcut
+from distkit.dist import _autograd
+from distkit.dist._route import resolve
+from distkit.dist.backends.tensors import TORCH
+from distkit.dist.core import args as _args
+from distkit.dist.core import spec
+from distkit.dist.core.args import OpLike
+from distkit.dist.core.comm import Comm, GroupLike
+from distkit.dist.core.shortcut import shortcut
 from distkit.dist.handle import Handle
+
+
+def _fast(method: str, **lane: Any) -> Any:
+    """The single-process shortcut the spec of ``method`` declares (see
+    :mod:`distkit.dist.core.spec`), compiled in front of the public function."""
+    returns, when = spec.shortcut_of(method, {"Tensor": Tensor})
+    return shortcut(returns, **lane, **when)
 
 
 @overload
@@ -55,15 +66,7 @@ def all_reduce(
     *,
     grad: bool = ...,
 ) -> Union[Tensor, Handle[Tensor]]: ...
-@shortcut(
-    "data",
-    lane=("op", "sum", _lane.all_reduce_sum),  # the commonest many-rank call, in few steps
-    data=Tensor,
-    op=("sum", "mean"),
-    group=None,
-    async_op=False,
-    grad=False,
-)
+@_fast("all_reduce", lane=("op", "sum", TORCH.lane))  # the commonest many-rank call
 def all_reduce(
     data: Tensor,
     op: OpLike = "sum",
@@ -125,8 +128,8 @@ def all_reduce(
     fn = "all_reduce"
     comm = resolve(group, fn)
     _args.tensor(data, "data", fn, comm)
-    rop = _ops.resolve(op, fn, comm)
-    _ops.check_dtype(rop, data, "data", fn, comm)
+    rop = _args.resolve(op, fn, comm)
+    _args.check_dtype(rop, data, "data", fn, comm)
     _args.flag(async_op, "async_op", fn, comm)
     if _args.flag(grad, "grad", fn, comm):
         _grad_checks(rop, async_op, fn, comm)
@@ -161,7 +164,7 @@ def all_gather(
     *,
     grad: bool = ...,
 ) -> Union[list[Tensor], Handle[list[Tensor]]]: ...
-@shortcut("[data]", data=Tensor, group=None, async_op=False, same_shape=(False, True), grad=False)
+@_fast("all_gather")
 def all_gather(
     data: Tensor,
     group: GroupLike = None,
@@ -178,7 +181,7 @@ def all_gather(
     gloo rejects uneven shapes natively: each rank's shape and dtype travel in a small
     header in front of its data, in the same collective, at sizes predicted from the
     group's last calls (the first call on a group, or data larger than predicted, takes a
-    second round: see :mod:`distkit.dist._uneven`). On CPU backends tensors of 256 KiB or
+    second round: see :mod:`distkit.dist.backends.uneven`). On CPU backends tensors of 256 KiB or
     more go by one exact-size broadcast per rank (3-4x faster than gloo's all_gather, and
     never padded); smaller ones go in one all_gather. Every rank must pass the same dtype;
     a mismatch raises on every rank. When every rank is known to pass the same shape,
@@ -255,7 +258,7 @@ def gather(
     async_op: bool = ...,
     same_shape: bool = ...,
 ) -> Union[list[Tensor], Handle[list[Tensor]]]: ...
-@shortcut("[data]", data=Tensor, dst=0, group=None, async_op=False, same_shape=(False, True))
+@_fast("gather")
 def gather(
     data: Tensor,
     dst: int = 0,
@@ -318,7 +321,7 @@ def broadcast(
 def broadcast(
     data: Tensor, src: int = ..., group: GroupLike = ..., async_op: bool = ...
 ) -> Union[Tensor, Handle[Tensor]]: ...
-@shortcut("data", data=Tensor, src=0, group=None, async_op=False)
+@_fast("broadcast")
 def broadcast(
     data: Tensor, src: int = 0, group: GroupLike = None, async_op: bool = False
 ) -> Union[Tensor, Handle[Tensor]]:
@@ -384,7 +387,7 @@ def reduce(
 def reduce(
     data: Tensor, dst: int = ..., op: OpLike = ..., group: GroupLike = ..., async_op: bool = ...
 ) -> Union[Tensor, Handle[Tensor]]: ...
-@shortcut("data", data=Tensor, dst=0, op=("sum", "mean"), group=None, async_op=False)
+@_fast("reduce")
 def reduce(
     data: Tensor,
     dst: int = 0,
@@ -434,8 +437,8 @@ def reduce(
     comm = resolve(group, fn)
     _args.tensor(data, "data", fn, comm)
     dst = _args.rank(dst, "dst", fn, comm)
-    rop = _ops.resolve(op, fn, comm)
-    _ops.check_dtype(rop, data, "data", fn, comm)
+    rop = _args.resolve(op, fn, comm)
+    _args.check_dtype(rop, data, "data", fn, comm)
     _args.flag(async_op, "async_op", fn, comm)
     return comm.backend.reduce(comm, data, dst, rop, async_op)
 
@@ -532,8 +535,8 @@ def reduce_scatter(
     else:
         data = _args.tensor_list(data, "data", fn, comm, same_shape=True)
         first = data[0]
-    rop = _ops.resolve(op, fn, comm)
-    _ops.check_dtype(rop, first, "data", fn, comm)
+    rop = _args.resolve(op, fn, comm)
+    _args.check_dtype(rop, first, "data", fn, comm)
     _args.flag(async_op, "async_op", fn, comm)
     if _args.flag(grad, "grad", fn, comm):
         _grad_checks(rop, async_op, fn, comm)
@@ -541,7 +544,7 @@ def reduce_scatter(
     return comm.backend.reduce_scatter(comm, data, rop, async_op)
 
 
-def _grad_checks(op: Optional[_ops.Op], async_op: bool, fn: str, comm: Comm) -> None:
+def _grad_checks(op: Optional[_args.Op], async_op: bool, fn: str, comm: Comm) -> None:
     if async_op:
         _args.fail(
             ValueError,
@@ -581,7 +584,7 @@ def all_to_all(
     case): each one's shape and dtype travel in a small header in front of its data, in
     one ``all_to_all_single``, at sizes predicted from the group's last calls (the first
     call on a group, or data larger than predicted, takes a second round: see
-    :mod:`distkit.dist._uneven`). This rank's own tensor never travels: it is returned as
+    :mod:`distkit.dist.backends.uneven`). This rank's own tensor never travels: it is returned as
     passed. When every tensor on every rank has one shape, pass ``same_shape=True`` to
     skip the headers (torch's own all_to_all requires it); when the sizes differ but each
     rank knows what it will receive, use :func:`all_to_all_single` with
@@ -804,7 +807,7 @@ def scatter(
     return comm.backend.scatter(comm, data, src, async_op, error)
 
 
-@shortcut("None", group=None)
+@_fast("barrier")
 def barrier(group: GroupLike = None) -> None:
     """Block until every rank of ``group`` reaches this call.
 

@@ -2,7 +2,7 @@
 
 Torch-free at import: ``import distkit.dist; dist.get_rank()`` must not pay for
 importing torch (see :mod:`distkit._registry`). A ``group`` argument other than ``None``
-imports the rest (:mod:`distkit.dist._comm`) on first use.
+imports the rest (:mod:`distkit.dist._route`) on first use.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from distkit import _registry
-from distkit.dist._shortcut import shortcut
+from distkit.dist.core.shortcut import shortcut
 
 if TYPE_CHECKING:
     from distkit._compat import ProcessGroup
-    from distkit.dist._comm import Comm, GroupLike
+    from distkit.dist.core.comm import Comm, GroupLike
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -30,7 +30,7 @@ _local_owner: Optional[weakref.ref] = None  # the default group it was created u
 
 def _resolve(group: Any, fn: str) -> Comm:
     # imported here: it needs torch, which an explicit group means is loaded anyway
-    from distkit.dist._comm import resolve
+    from distkit.dist._route import resolve
 
     return resolve(group, fn, collective=False)
 

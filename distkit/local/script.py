@@ -208,8 +208,8 @@ class _Launch:
 
     def _note_exit(self, r: _Rank) -> None:
         """Tell the ranks left waiting how this one ended (its exit code), beside the
-        note it left itself (see distkit.dist._board): they name it in their error."""
-        from distkit.dist._board import exit_key
+        note it left itself (see distkit.dist.guard.board): they name it in their error."""
+        from distkit.dist.guard.board import exit_key
 
         key = exit_key(r.rank, f"{self.run_id}.0")
         with self.store_lock:  # the store must not go while this talks to it
@@ -603,7 +603,7 @@ def _as_rank(argv: list[str]) -> None:
         interrupted = isinstance(exc, KeyboardInterrupt)
         if interrupted:  # a second Ctrl-C must not cut this report short
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        board = sys.modules.get("distkit.dist._board")
+        board = sys.modules.get("distkit.dist.guard.board")
         if board is not None and os.getpid() == me:  # tell the ranks waiting for this one
             board.note_exception(exc)
             board.note_exit("raised")

@@ -314,7 +314,7 @@ def main(
         kind, value, output = _run_task(rank, fn, args, kwargs)
         intact = _registry.current._default_pg is world and world is not None
         if intact:  # a group the task broke (a caught timeout) leaves ranks out of step
-            from distkit.dist._comm import broken_groups
+            from distkit.dist.core.comm import broken_groups
 
             intact = not broken_groups()
         conn.send((kind, task_id, value, output, intact))

@@ -36,21 +36,22 @@ import torch.distributed as td
 from torch import Tensor
 
 from distkit._compat import all_gather_single
+from distkit.dist.core import layouts
 
 if TYPE_CHECKING:
-    from distkit.dist._comm import Comm
+    from distkit.dist.core.comm import Comm
 
 #: Calls of one kind on one group whose sizes set the next call's capacities.
 HISTORY = 4
 #: Capacities are multiples of this many bytes, so any dtype can be viewed in place.
-ALIGN = 16
+ALIGN = layouts.ALIGN
 #: A capacity is used when the largest recent size is at most this factor of the smallest
 #: (so at most this much padding is sent), ...
 STEADY = 1.25
 #: ... or when it is at most this many bytes (padding them costs less than a round trip).
 SMALL = 64 * 1024
 #: Above this size a CPU all_gather moves each rank's bytes by one broadcast (see
-#: BROADCAST_GATHER_BYTES in _torch.py for the measurement); below, one padded all_gather.
+#: BROADCAST_GATHER_BYTES in backends/tensors.py for the measurement); below, one padded all_gather.
 BROADCAST_BYTES = 256 * 1024
 
 
@@ -58,11 +59,7 @@ def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _aligned(row: list[int]) -> list[int]:
-    """``row`` padded with zeros to a whole number of :data:`ALIGN` bytes of int64s, so
-    the data behind a header stays aligned for every dtype (a 232-byte header put a
-    complex128 tensor at an offset torch cannot view)."""
-    return row + [0] * (-len(row) % (ALIGN // 8))
+_aligned = layouts.aligned
 
 
 def history(comm: Comm, kind: str) -> deque[list[int]]:
@@ -278,7 +275,7 @@ def all_to_all(
         # One collective: each peer's header rides in front of its data (fixed size, so
         # every segment stays aligned), and every rank of the group takes part even when
         # all its own capacities are 0.
-        fmt = f"={len(header_rows[0])}q"  # int64 in this machine's byte order
+        fmt = layouts.frame_format(len(header_rows[0]))
         head = struct.calcsize(fmt)
         out_splits = [head + cap for cap in recv_caps]
         in_splits = [head + cap for cap in send_caps]

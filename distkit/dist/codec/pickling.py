@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch import Tensor
 
-from distkit.dist._args import fail, is_dtensor
+from distkit.dist.core.args import fail, is_dtensor
 
 if TYPE_CHECKING:
-    from distkit.dist._comm import Comm
+    from distkit.dist.core.comm import Comm
 
 #: Types that pickle by construction: the checks skip them.
 ATOMS = frozenset([int, float, bool, complex, str, bytes, type(None)])

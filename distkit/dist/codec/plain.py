@@ -3,7 +3,7 @@
 Each global the safe serializer allows is a constructor whose arguments are checked
 first: plain ints, strings and bytes of bounded size, never a size to allocate. The
 checks run on the first of the safe serializer's two unpicklings (see
-:mod:`distkit.dist._safe`), where values from other globals are stand-ins
+:mod:`distkit.dist.codec.safe`), where values from other globals are stand-ins
 (:class:`Stub`) that know only their kind. NumPy arrays, scalars and dtypes of plain data
 travel through this module's own constructors (:func:`numpy_array`, :func:`numpy_scalar`,
 :func:`numpy_dtype`), which distkit's encoder names instead of NumPy's ``_reconstruct``.
@@ -19,7 +19,7 @@ import functools
 import re
 from typing import Any, Callable, NoReturn
 
-from distkit.dist.serializer import Refused
+from distkit.dist.codec.policy import Refused
 
 #: Digits of a ``Decimal``/``Fraction`` string (CPython's own limit for ``int(str)``).
 MAX_DIGITS = 4300
@@ -489,9 +489,14 @@ CONSTRUCTORS: dict[tuple[str, str], tuple[Any, Callable[..., None], Any, str]] =
     ),
     ("collections", "deque"): (collections.deque, _check_deque, collections.deque, "APPEND"),
     # checked on the first unpickling: the second builds without checking again
-    ("distkit.dist._plain", "numpy_array"): (_build_array, _check_numpy_array, "ndarray", ""),
-    ("distkit.dist._plain", "numpy_scalar"): (_build_scalar, _check_numpy_scalar, "scalar", ""),
-    ("distkit.dist._plain", "numpy_dtype"): (numpy_dtype, _check_numpy_dtype, "dtype", ""),
+    ("distkit.dist.codec.plain", "numpy_array"): (_build_array, _check_numpy_array, "ndarray", ""),
+    ("distkit.dist.codec.plain", "numpy_scalar"): (
+        _build_scalar,
+        _check_numpy_scalar,
+        "scalar",
+        "",
+    ),
+    ("distkit.dist.codec.plain", "numpy_dtype"): (numpy_dtype, _check_numpy_dtype, "dtype", ""),
 }
 
 

@@ -19,7 +19,7 @@ accelerator's own collectives. Decoding makes no copy of tensor data: received t
 are views of the receive buffer (call ``.clone()`` to detach one from it).
 
 NumPy arrays, scalars and dtypes of plain data pickle as calls to distkit's own checked
-constructors (:func:`distkit.dist._plain.numpy_array` and friends), never to NumPy's own
+constructors (:func:`distkit.dist.codec.plain.numpy_array` and friends), never to NumPy's own
 ``_reconstruct``/``scalar``/``dtype`` globals, so the safe serializer never loads those.
 
 Decoding checks the header and the blob table against the bytes received, and each tensor
@@ -42,15 +42,20 @@ from torch import Tensor
 
 from distkit import _settings
 from distkit._compat import accelerator_current_index
-from distkit.dist import _pickling, _plain, _safe, serializer
-from distkit.dist.serializer import Refused, UnsafeObjectError
+from distkit.dist.codec import pickling as _pickling
+from distkit.dist.codec import plain as _plain
+from distkit.dist.codec import policy
+from distkit.dist.codec import safe as _safe
+from distkit.dist.codec.policy import Refused
+from distkit.dist.core import layouts
+from distkit.dist.errors import UnsafeObjectError
 
 if TYPE_CHECKING:
-    from distkit.dist._comm import Comm
+    from distkit.dist.core.comm import Comm
 
-MAGIC = 0x31544B44  # "DKT1"
+MAGIC, HEADER_BYTES = layouts.MAGIC, layouts.HEADER_BYTES  # the header's layout
+ENTRY_BYTES = layouts.BLOB.size  # a blob's table entry
 ALIGN = 64
-HEADER_BYTES = 32
 # Out-of-band buffers smaller than this stay in the pickle stream: a blob costs a table
 # entry and up to 63 bytes of alignment, which is not worth it for tiny arrays.
 MIN_OOB_BYTES = 1024
@@ -152,7 +157,7 @@ class _Encoder(pickle.Pickler):
 
 
 def _plain_dtype(dtype: Any) -> bool:
-    """A NumPy dtype of plain data (see :data:`distkit.dist._plain.NUMPY_KINDS`)."""
+    """A NumPy dtype of plain data (see :data:`distkit.dist.codec.plain.NUMPY_KINDS`)."""
     return (
         dtype.kind in _plain.NUMPY_KINDS
         and dtype.fields is None
@@ -232,7 +237,7 @@ def encode(
     blobs, places = encoder.blobs, encoder.places
     sizes = [b.nbytes if isinstance(b, memoryview) else b.numel() * b.element_size() for b in blobs]
 
-    table_end = HEADER_BYTES + 16 * len(blobs)
+    table_end = HEADER_BYTES + ENTRY_BYTES * len(blobs)
     cpu_size = _align(table_end + len(skeleton))
     dev_size = 0
     offsets = []
@@ -256,9 +261,8 @@ def encode(
         cpu = torch.empty(cpu_size, dtype=torch.uint8)
         raw = bytes_view(cpu)
     table = [v for pair in zip(sizes, places) for v in pair]
-    struct.pack_into(
-        f"<{4 + len(table)}q", raw, 0, MAGIC, len(skeleton), len(blobs), dev_size, *table
-    )
+    layouts.WIRE_HEADER.pack_into(raw, 0, MAGIC, len(skeleton), len(blobs), dev_size)
+    struct.pack_into(f"<{len(table)}q", raw, HEADER_BYTES, *table)  # BLOB entries
     raw[table_end : table_end + len(skeleton)] = skeleton
     skeleton.release()
     dev = torch.empty(dev_size, dtype=torch.uint8, device=device) if dev_size else None
@@ -299,12 +303,12 @@ def _parse(enc: Encoded) -> _Parts:
     total, dev_total = len(raw), (dev.numel() if dev is not None else 0)
     if total < HEADER_BYTES:
         raise Refused(f"{total} bytes, shorter than distkit's {HEADER_BYTES}-byte header")
-    magic, skel_len, n_blobs, dev_bytes = struct.unpack_from("<4q", raw, 0)
+    magic, skel_len, n_blobs, dev_bytes = layouts.WIRE_HEADER.unpack_from(raw, 0)
     if magic != MAGIC:
         raise Refused("the payload does not start with distkit's header")
-    if not 0 <= n_blobs <= (total - HEADER_BYTES) // 16:
+    if not 0 <= n_blobs <= (total - HEADER_BYTES) // ENTRY_BYTES:
         raise Refused(f"a table of {n_blobs} blobs does not fit in {total} bytes")
-    table_end = HEADER_BYTES + 16 * n_blobs
+    table_end = HEADER_BYTES + ENTRY_BYTES * n_blobs
     if not 0 <= skel_len <= total - table_end:
         raise Refused(f"a skeleton of {skel_len} bytes does not fit in {total} bytes")
     if dev_bytes != dev_total:
@@ -344,7 +348,7 @@ _TENSOR_DTYPES: dict[str, tuple[torch.dtype, int, bool]] = {}
 def _tensor_dtype(name: Any) -> Optional[tuple[torch.dtype, int, bool]]:
     """``(dtype, itemsize, can require grad)`` of a tensor dtype's name, or ``None``."""
     if not _TENSOR_DTYPES:
-        for n, dt in serializer.torch_dtypes().items():
+        for n, dt in policy.torch_dtypes().items():
             if n not in _QUANTIZED:
                 _TENSOR_DTYPES[n] = (dt, dt.itemsize, dt.is_floating_point or dt.is_complex)
     return _TENSOR_DTYPES.get(name) if type(name) is str else None
@@ -451,7 +455,7 @@ class _Decoder(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == "_tensor_ref":
             return self._tensors
-        if module == "distkit.dist._plain" and name in _plain.BUILDERS:
+        if module == "distkit.dist.codec.plain" and name in _plain.BUILDERS:
             return _plain.BUILDERS[name]  # pickle trusts its peers: no checks to repeat
         return super().find_class(module, name)
 
@@ -524,7 +528,7 @@ def _rebuild(
     Args:
         enc: The parts received.
         map_location: Where received tensors go (``None``: their own device type).
-        serializer_name: ``pickle`` or ``safe`` (see :mod:`distkit.dist._safe`).
+        serializer_name: ``pickle`` or ``safe`` (see :mod:`distkit.dist.codec.safe`).
         sender: The sending rank, for messages.
         fn: The collective, for messages.
         comm: This rank's group, for messages.
@@ -644,5 +648,7 @@ def encoded_sizes(items: Any, name: str, fn: str, comm: Comm) -> list[int]:
         except Exception as exc:
             raise _pickling.error(item, f"{name}[{i}]", fn, comm, exc) from None
         sizer.clear_memo()
-        out.append(_align(HEADER_BYTES + 16 * sizer.blobs + sink.tell()) + sizer.blob_bytes)
+        out.append(
+            _align(HEADER_BYTES + ENTRY_BYTES * sizer.blobs + sink.tell()) + sizer.blob_bytes
+        )
     return out

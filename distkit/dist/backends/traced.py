@@ -1,9 +1,9 @@
 """The backend that runs while ``torch.compile`` traces: torch's functional collectives.
 
-:func:`distkit.dist._comm.resolve` hands out this backend (with a
-:class:`~distkit.dist._comm.TracedComm`) when ``torch.compiler.is_compiling()``. It does
+:func:`distkit.dist._route.resolve` hands out this backend (with a
+:class:`~distkit.dist.core.comm.TracedComm`) when ``torch.compiler.is_compiling()``. It does
 only what traces: no thread guard, no call counting, no debug check, no size history
-(the eager backend's :func:`~distkit.dist._watch.watched` bookkeeping), and no staging
+(the eager backend's :func:`~distkit.dist.guard.watch.watched` bookkeeping), and no staging
 through ``is_conj()`` and friends. Results and aliasing are the eager backend's:
 ``all_reduce`` and ``broadcast`` write into the caller's tensor (``copy_``, which the
 compiler turns into an in-place update) and return it; a list result holds the caller's
@@ -15,14 +15,14 @@ own tensor at this rank's index; new tensors carry no autograd history.
 Every dtype travels as the eager backend sends it: complex tensors as their real pairs
 (``torch.view_as_real``, as ``torch.distributed`` sends them); on gloo groups, the
 dtypes gloo refuses (int16, the unsigned types wider than uint8, float8, float4) take
-the conversions of :mod:`distkit.dist._gloo`, traced: reductions run in the wider dtype
-of :data:`~distkit.dist._gloo.WIDER` and are narrowed back once (so sums wrap and float8
+the conversions of :mod:`distkit.dist.backends.gloo`, traced: reductions run in the wider dtype
+of :data:`~distkit.dist.backends.gloo.WIDER` and are narrowed back once (so sums wrap and float8
 rounds exactly as eagerly), everything else moves their bytes.
 
 What needs a value only known at run time (the shapes of an uneven ``all_gather``, the
 sizes of ``all_to_all_single`` without ``output_split_sizes``), pickles objects, blocks
 (``barrier``) or returns a handle (``async_op=True``) runs eagerly instead, through
-:meth:`~distkit.dist._comm.TracedComm.eager`: a ``torch.compiler.disable``d call, i.e. a
+:meth:`~distkit.dist.core.comm.TracedComm.eager`: a ``torch.compiler.disable``d call, i.e. a
 clean graph break whose reason names distkit.
 """
 
@@ -34,12 +34,21 @@ import torch
 from torch import Tensor
 
 from distkit._compat import backend_name
-from distkit.dist._backend import Backend, ObjectCall, Result
-from distkit.dist._gloo import AS_BYTES, WIDER, _as_bytes, _from_bytes, _narrow, _packed, _wide
+from distkit._compat import functional_collectives as _fc
+from distkit.dist.backends.base import Backend, ObjectCall, Result
+from distkit.dist.backends.gloo import (
+    AS_BYTES,
+    WIDER,
+    _as_bytes,
+    _from_bytes,
+    _narrow,
+    _packed,
+    _wide,
+)
 
 if TYPE_CHECKING:
-    from distkit.dist._comm import Comm, TracedComm
-    from distkit.dist._ops import Op
+    from distkit.dist.core.args import Op
+    from distkit.dist.core.comm import Comm, TracedComm
 
 # distkit's op names as the functional collectives spell them (mean: sum, then divide)
 # (while tracing, each functional collective's result already comes waited on)
@@ -63,7 +72,7 @@ def _input(t: Tensor) -> Tensor:
 
 def _carried(comm: Comm, dtype: torch.dtype) -> bool:
     """Whether ``dtype`` travels in another dtype on ``comm``'s group, as the eager
-    backend decides it (:class:`~distkit.dist._gloo.GlooBackend` runs on gloo groups)."""
+    backend decides it (:class:`~distkit.dist.backends.gloo.GlooBackend` runs on gloo groups)."""
     return dtype in AS_BYTES and "gloo" in backend_name(comm.pg)
 
 
@@ -94,7 +103,7 @@ def _reduced_in(
     Returns the tensor to send; how a received one reads as ``x``'s values, before it is
     reduced or averaged (complex: from its real pairs); and how the result returns to
     ``x``'s dtype (a dtype gloo refuses is reduced wider, see
-    :func:`distkit.dist._gloo._wide`, and narrowed once at the end).
+    :func:`distkit.dist.backends.gloo._wide`, and narrowed once at the end).
     """
     if x.is_complex():
         return torch.view_as_real(x.resolve_conj()), torch.view_as_complex, _same
@@ -107,7 +116,7 @@ def _reduced_in(
 
 
 def _mean(total: Tensor, size: int) -> Tensor:
-    """:func:`distkit.dist._ops.mean_of`, out of place (integers truncate, bools stay)."""
+    """:func:`distkit.dist.core.args.mean_of`, out of place (integers truncate, bools stay)."""
     if total.dtype.is_floating_point or total.dtype.is_complex:
         return total / size
     if total.dtype is torch.bool:
@@ -133,14 +142,12 @@ def _reduce_locally(chunks: Tensor, name: str) -> Tensor:
 
 
 class TracedBackend(Backend):
-    name = "traced"
-
     # -- traced ---------------------------------------------------------------------------
 
     def all_reduce(self, comm: Comm, data: Tensor, op: Op, async_op: bool) -> Result[Tensor]:
-        if async_op or comm.pg is None:
+        if async_op or not comm.traceable:
             return _eager(comm).eager("all_reduce", data, op, async_op)
-        import torch.distributed._functional_collectives as fc
+        fc = _fc()
 
         sent, read, narrow = _reduced_in("all_reduce", comm, _input(data), op)
         out = read(fc.all_reduce(sent, _FUNCTIONAL_OPS[op.name], comm.pg))
@@ -152,9 +159,9 @@ class TracedBackend(Backend):
     def all_gather(
         self, comm: Comm, data: Tensor, async_op: bool, same_shape: bool
     ) -> Result[list[Tensor]]:
-        if async_op or not same_shape or comm.pg is None:
+        if async_op or not same_shape or not comm.traceable:
             return _eager(comm).eager("all_gather", data, async_op, same_shape)
-        import torch.distributed._functional_collectives as fc
+        fc = _fc()
 
         sent = _moved(comm, _input(data))
         out = fc.all_gather_tensor(sent.reshape(1, -1), 0, comm.pg)
@@ -162,9 +169,9 @@ class TracedBackend(Backend):
         return [data if r == comm.rank else _arrived(rows[r], data.dtype) for r in range(comm.size)]
 
     def broadcast(self, comm: Comm, data: Tensor, src: int, async_op: bool) -> Result[Tensor]:
-        if async_op or comm.pg is None:
+        if async_op or not comm.traceable:
             return _eager(comm).eager("broadcast", data, src, async_op)
-        import torch.distributed._functional_collectives as fc
+        fc = _fc()
 
         # src is a group rank, as every functional collective takes it (it indexes pg)
         out = fc.broadcast(_moved(comm, _input(data)), src, comm.pg)
@@ -175,9 +182,9 @@ class TracedBackend(Backend):
     def reduce_scatter(
         self, comm: Comm, data: Union[Tensor, list[Tensor]], op: Op, async_op: bool
     ) -> Result[Tensor]:
-        if async_op or comm.pg is None:
+        if async_op or not comm.traceable:
             return _eager(comm).eager("reduce_scatter", data, op, async_op)
-        import torch.distributed._functional_collectives as fc
+        fc = _fc()
 
         size = comm.size
         # as the eager backend on the CPU: chunk r goes to rank r, which reduces locally
@@ -202,11 +209,11 @@ class TracedBackend(Backend):
         input_split_sizes: Optional[list[int]],
         async_op: bool,
     ) -> Result[Tensor]:
-        if async_op or comm.pg is None or (output_split_sizes is None and input_split_sizes):
+        if async_op or not comm.traceable or (output_split_sizes is None and input_split_sizes):
             return _eager(comm).eager(
                 "all_to_all_single", data, output_split_sizes, input_split_sizes, async_op
             )
-        import torch.distributed._functional_collectives as fc
+        fc = _fc()
 
         sent = _moved(comm, _input(data))
         out = fc.all_to_all_single(sent, output_split_sizes, input_split_sizes, comm.pg)

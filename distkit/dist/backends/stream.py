@@ -18,7 +18,7 @@ dataset: it posts each rank holding some of them a REQUEST (how many of its next
 positions) in the world's store, never in a collective. A serving rank polls the store
 for its next message, *claims* the request (an atomic ``add`` on the request's claim
 key) and sends its answer point to point on the stream's own tag: *packs*, consecutive
-results encoded together (:mod:`distkit.dist._wire`), each at most about ``pack_bytes``
+results encoded together (:mod:`distkit.dist.codec.wire`), each at most about ``pack_bytes``
 unless one result alone is larger, each preceded by ``int64[2]`` (bytes, results); a
 rank that cannot read or encode a result sends ``int64[2]`` (-1, n) and n bytes saying
 what failed, then raises. ``dst`` receives an answer only once it is claimed, so no rank
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import time
 import weakref
 from collections.abc import Generator, Iterator, Sequence
@@ -53,15 +52,17 @@ from torch import Tensor
 
 from distkit import _settings
 from distkit._compat import default_store, group_timeout
-from distkit.dist import _args, _wire, timeouts
-from distkit.dist._torch_objects import _channels
-from distkit.dist.debug import call_site, group_label
-from distkit.dist.serializer import UnsafeObjectError
-from distkit.dist.timeouts import CollectiveTimeoutError
+from distkit.dist.backends.objects import _channels
+from distkit.dist.codec import wire as _wire
+from distkit.dist.core import args as _args
+from distkit.dist.core import layouts
+from distkit.dist.errors import CollectiveTimeoutError, UnsafeObjectError
+from distkit.dist.guard import diagnose
+from distkit.dist.guard.debugmode import call_site, group_label
 
 if TYPE_CHECKING:
-    from distkit.dist._backend import ObjectCall
-    from distkit.dist._comm import Comm
+    from distkit.dist.backends.base import ObjectCall
+    from distkit.dist.core.comm import Comm
 
 REQUEST, DONE, FAILED, GO = 0, 1, 2, 3
 #: Point-to-point tags: one for opening (opening is a collective, so in order on every
@@ -69,7 +70,7 @@ REQUEST, DONE, FAILED, GO = 0, 1, 2, 3
 SETUP_TAG = 0x5EA
 STREAM_TAG = 0x5EB
 #: Bytes per rank in the plan gather; a larger plan sends the rest point to point.
-SLOT_BYTES = 4096
+SLOT_BYTES = layouts.PLAN_SLOT_BYTES
 #: Error codes past ``_args.REMOTE_ERRORS``: errors that keep their class on every rank.
 UNSAFE, TIMEOUT = 100, 101
 #: How often a rank waiting for ``dst`` looks whether ``dst`` is stuck in another
@@ -207,8 +208,8 @@ class Plan(NamedTuple):
     data: Optional[Tensor]  # uint8: every result, encoded together (small results only)
 
 
-_HEAD = 6  # int64: count, flags, sizes, indices, failure bytes, data bytes
-_INDICES, _INLINE = 1, 2
+_HEAD_BYTES = layouts.PLAN_HEAD.size  # count, flags, sizes, indices, failure, data bytes
+_INDICES, _INLINE = layouts.PLAN_INDICES, layouts.PLAN_INLINE
 
 
 def _bytes(t: Optional[Tensor]) -> memoryview:
@@ -221,22 +222,22 @@ def _pack(plan: Plan) -> bytes:
     flags = _INDICES if plan.indices is not None else 0
     flags |= _INLINE if plan.data is not None else 0
     counts = (len(sizes) // 8, len(idx) // 8, len(fail), len(data))
-    head = struct.pack(f"<{_HEAD}q", plan.length, flags, *counts)
+    head = layouts.PLAN_HEAD.pack(plan.length, flags, *counts)
     return b"".join([head, sizes, idx, fail, data])
 
 
 def _unpack(buf: Tensor) -> Plan:
     """A plan received from another rank (which may send anything: checked)."""
     n = buf.numel()
-    if n < 8 * _HEAD:
+    if n < _HEAD_BYTES:
         raise ValueError(f"a plan of {n} bytes")
-    head = list(struct.unpack_from(f"<{_HEAD}q", _wire.bytes_view(buf[: 8 * _HEAD])))
+    head = list(layouts.PLAN_HEAD.unpack_from(_wire.bytes_view(buf[:_HEAD_BYTES])))
     count, flags, n_sizes, n_idx, n_fail, n_data = head
     if min(head) < 0 or n_sizes not in (0, count) or n_idx not in (0, count):
         raise ValueError(f"a plan whose header is {head}")
-    if 8 * (_HEAD + n_sizes + n_idx) + n_fail + n_data != n:
+    if _HEAD_BYTES + 8 * (n_sizes + n_idx) + n_fail + n_data != n:
         raise ValueError(f"a plan of {n} bytes whose header is {head}")
-    at = 8 * _HEAD
+    at = _HEAD_BYTES
     sizes = buf[at : at + 8 * n_sizes].view(torch.int64)
     at += 8 * n_sizes
     idx = buf[at : at + 8 * n_idx].view(torch.int64)
@@ -260,7 +261,7 @@ def gather_plans(comm: Comm, plan: Plan, dst: int) -> Optional[list[Plan]]:
     total = len(raw)
     slot = bytearray(SLOT_BYTES)
     inline = min(total, SLOT_BYTES - 8)
-    struct.pack_into("<q", slot, 0, total)
+    layouts.LENGTH.pack_into(slot, 0, total)
     slot[8 : 8 + inline] = raw[:inline]
     mine = torch.frombuffer(slot, dtype=torch.uint8)
     slots = comm.backend.gather(comm, mine, dst, False, True)  # watched: hang reports
@@ -271,7 +272,7 @@ def gather_plans(comm: Comm, plan: Plan, dst: int) -> Optional[list[Plan]]:
         return None
     assert isinstance(slots, list)
     rows = [s.cpu() for s in slots]
-    lengths = [struct.unpack_from("<q", _wire.bytes_view(row[:8]))[0] for row in rows]
+    lengths = [layouts.LENGTH.unpack_from(_wire.bytes_view(row[:8]))[0] for row in rows]
     rest = {}
     works = []
     for r, n in enumerate(lengths):
@@ -436,7 +437,12 @@ FAIL_BYTES = 2048
 
 
 def _verdict_bytes(size: int) -> int:
-    return 32 + 24 * size + FAIL_BYTES  # int64[4], then (kind, count, in order) per rank
+    return _verdict_at(size) + FAIL_BYTES
+
+
+def _verdict_at(rank: int) -> int:
+    """Where rank ``rank``'s row of a verdict starts (after the head)."""
+    return layouts.VERDICT_HEAD.size + layouts.VERDICT_ROW.size * rank
 
 
 def announce(
@@ -452,15 +458,15 @@ def announce(
     comm = opened.comm
     raw = bytearray(_verdict_bytes(comm.size))
     fail = failure.encode(FAIL_BYTES) if failure is not None else b""
-    struct.pack_into("<4q", raw, 0, int(failure is not None), stream, tag, len(fail))
+    layouts.VERDICT_HEAD.pack_into(raw, 0, int(failure is not None), stream, tag, len(fail))
     late = {}
     for r, positions in (wanted or {}).items():
         m = positions.numel()
         ordered = bool(torch.equal(positions, torch.arange(m)))
-        struct.pack_into("<3q", raw, 32 + 24 * r, GO, m, int(ordered))
+        layouts.VERDICT_ROW.pack_into(raw, _verdict_at(r), GO, m, int(ordered))
         if not ordered:
             late[r] = positions
-    at = 32 + 24 * comm.size
+    at = _verdict_at(comm.size)
     raw[at : at + len(fail)] = fail
     comm.backend.broadcast(comm, torch.frombuffer(raw, dtype=torch.uint8), opened.dst, False)
     link = Link(comm, SETUP_TAG)
@@ -474,13 +480,13 @@ def verdict(opened: Opened, own: Optional[BaseException]) -> tuple[int, int, int
     comm, fn, dst = opened.comm, opened.fn, opened.dst
     slot = torch.zeros(_verdict_bytes(comm.size), dtype=torch.uint8)
     got = comm.backend.broadcast(comm, slot, dst, False)
-    raw = _wire.bytes_view(got.cpu())  # type: ignore[union-attr]
-    failed, stream, tag, n_fail = struct.unpack_from("<4q", raw, 0)
-    kind, m, ordered = struct.unpack_from("<3q", raw, 32 + 24 * comm.rank)
+    raw = _wire.bytes_view(got.cpu())
+    failed, stream, tag, n_fail = layouts.VERDICT_HEAD.unpack_from(raw, 0)
+    kind, m, ordered = layouts.VERDICT_ROW.unpack_from(raw, _verdict_at(comm.rank))
     if own is not None:
         raise own
     if failed:
-        at = 32 + 24 * comm.size
+        at = _verdict_at(comm.size)
         failure = Failure.decode(bytes(raw[at : at + min(max(n_fail, 0), FAIL_BYTES)]))
         failure.raise_as(fn, comm, f"rank {dst} stopped the call: {failure.text}")
     if kind != GO:
@@ -591,8 +597,8 @@ class Server:
 
     def stuck_dst(self) -> Optional[dict]:
         """Where ``dst`` waits, when it reports a hang in another collective (it posts
-        where it waits to the store, :mod:`distkit.dist.timeouts`)."""
-        key = timeouts._key(self.dst_global)
+        where it waits to the store, :mod:`distkit.dist.guard.diagnose`)."""
+        key = diagnose._key(self.dst_global)
         store = self.mailbox.store
         if not store.check([key]):
             return None
@@ -609,12 +615,12 @@ class Server:
         comm, fn, opened = self.comm, self.fn, self.opened
         self.finish()
         store = self.mailbox.store
-        mine = timeouts._key(comm.global_rank(comm.rank))
+        mine = diagnose._key(comm.global_rank(comm.rank))
         where = {"group": comm.global_ranks(), "call": fn, "seq": opened.seq, "site": self.site}
         store.set(mine, json.dumps(where))
         try:
             deadline = time.monotonic() + float(_settings.get("hang_grace")) + 1.0
-            while store.check([timeouts._key(self.dst_global)]) and time.monotonic() < deadline:
+            while store.check([diagnose._key(self.dst_global)]) and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
             store.delete_key(mine)
@@ -796,7 +802,7 @@ class Receiver(Held):
         stalled = RuntimeError(f"rank(s) {ranks} did not answer within {waited:g} s")
         reports: dict[int, dict] = {}
         try:  # where the others wait, and telling them where dst waits
-            reports = timeouts.diagnose(comm, fn, opened.seq, stalled).reports
+            reports = diagnose.diagnose(comm, fn, opened.seq, stalled).reports
         except Exception:
             pass
         lines = []

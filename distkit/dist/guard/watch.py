@@ -3,7 +3,7 @@
 It counts the collectives entered on each group (a rank's call number on that group),
 runs the debug-mode check first when debug mode is on (:mod:`distkit.dist.debug`), and
 turns a backend timeout into a :class:`~distkit.dist.CollectiveTimeoutError` that names
-the missing ranks (:mod:`distkit.dist.timeouts`). Argument names come from the wrapped
+the missing ranks (:mod:`distkit.dist.guard.diagnose`). Argument names come from the wrapped
 method's signature. The single-process backend is not wrapped: none of this costs
 anything there.
 """
@@ -18,11 +18,14 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from distkit import _settings
-from distkit.dist import _check, _watchdog, debug, timeouts
+from distkit.dist import errors
+from distkit.dist.guard import check as _check
+from distkit.dist.guard import debugmode, diagnose
+from distkit.dist.guard import watchdog as _watchdog
 from distkit.dist.handle import Handle
 
 if TYPE_CHECKING:
-    from distkit.dist._comm import Comm
+    from distkit.dist.core.comm import Comm
 
 F = TypeVar("F", bound=Callable[..., Any])
 _local = threading.local()
@@ -41,7 +44,7 @@ def _on_error(
         final = exc if better is None else better
         facts = comm._facts
         if facts is not None and isinstance(
-            final, (timeouts.CollectiveTimeoutError, timeouts.RankGoneError)
+            final, (errors.CollectiveTimeoutError, errors.RankGoneError)
         ):
             facts.broken = f"its call #{seq} ({public}) {_what(final)}"
         return better
@@ -50,7 +53,7 @@ def _on_error(
 
 
 def _what(exc: BaseException) -> str:
-    if isinstance(exc, timeouts.CollectiveTimeoutError):
+    if isinstance(exc, errors.CollectiveTimeoutError):
         return "timed out"
     gone = ", ".join(f"rank {r}" for r in sorted(getattr(exc, "gone", {})))
     return f"lost {gone or 'a rank'}"
@@ -58,22 +61,22 @@ def _what(exc: BaseException) -> str:
 
 def _better(comm: Comm, public: str, seq: int, exc: BaseException) -> Optional[BaseException]:
     facts = comm._facts
-    if isinstance(exc, (timeouts.CollectiveTimeoutError, timeouts.RankGoneError)):
+    if isinstance(exc, (errors.CollectiveTimeoutError, errors.RankGoneError)):
         return None
-    if isinstance(exc, debug.CollectiveMismatchError):
+    if isinstance(exc, errors.CollectiveMismatchError):
         return None
     if facts is not None and facts.failed is not None and facts.failed[0] == seq:
         found = facts.failed[1]  # the watchdog's default check of this very call
         facts.failed = None
         return found
-    if timeouts.is_timeout(exc):
-        return timeouts.diagnose(comm, public, seq, exc)
-    if timeouts.is_peer_lost(exc):
+    if diagnose.is_timeout(exc):
+        return diagnose.diagnose(comm, public, seq, exc)
+    if diagnose.is_peer_lost(exc):
         if facts is not None:  # the peer may have left over a check of this very call
             checked = _watchdog.verdict(facts, seq)
             if checked is not None:
                 return checked
-        return timeouts.peer_gone(comm, public, seq, exc)
+        return diagnose.peer_gone(comm, public, seq, exc)
     return None
 
 
@@ -108,8 +111,8 @@ def watched(method: F) -> F:
         started = False
         try:
             if settings.get("debug", _DEBUG_DEFAULT):
-                _, fields, must = debug.signature(name, dict(zip(params, args)))
-                debug.check(comm, public, fields, must, seq)
+                _, fields, must = debugmode.signature(name, dict(zip(params, args)))
+                debugmode.check(comm, public, fields, must, seq)
             elif (
                 facts is not None
                 and facts.size > 1
@@ -117,7 +120,7 @@ def watched(method: F) -> F:
                 and settings.get("check", _CHECK_DEFAULT)
                 and _check.due(facts, seq, sys._getframe(1))
             ):
-                _, fields, must = debug.signature(name, dict(zip(params, args)))
+                _, fields, must = debugmode.signature(name, dict(zip(params, args)))
                 _check.run(comm, public, fields, must, seq)
             started = True
             result = method(self, comm, *args)
@@ -125,7 +128,7 @@ def watched(method: F) -> F:
                 result.on_error(_on_error(comm, public, seq))
                 if facts is not None:  # the watchdog answers checks of it while in flight
                     _note_pending(facts, seq, call, result)
-        except debug.CollectiveMismatchError:
+        except errors.CollectiveMismatchError:
             if not started and facts is not None:
                 # refused before the backend ran: the call takes no number, so ranks that
                 # go on (catching the error) stay in step with one that runs its call

@@ -1,6 +1,6 @@
 """The backend for a world of one rank: no process group, no communication.
 
-Each method returns exactly what :mod:`distkit.dist._torch` returns on a group of one
+Each method returns exactly what :mod:`distkit.dist.backends.tensors` returns on a group of one
 rank, with the same aliasing: an entry that comes from this rank is the caller's own
 tensor or object; a reduction that makes a new tensor makes a copy.
 """
@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
 
 from torch import Tensor
 
-from distkit.dist import _pickling
-from distkit.dist._backend import Backend, ObjectCall, Result
+from distkit.dist.backends.base import Backend, ObjectCall, Result
+from distkit.dist.codec import pickling as _pickling
 from distkit.dist.handle import Handle
 
 if TYPE_CHECKING:
-    from distkit.dist._comm import Comm
-    from distkit.dist._ops import Op
+    from distkit.dist.core.args import Op
+    from distkit.dist.core.comm import Comm
 
 T = TypeVar("T")
 
@@ -27,8 +27,6 @@ def _done(result: T, async_op: bool) -> Result[T]:
 
 
 class SingleBackend(Backend):
-    name = "single"
-
     def all_reduce(self, comm: Comm, data: Tensor, op: Op, async_op: bool) -> Result[Tensor]:
         return _done(data, async_op)
 

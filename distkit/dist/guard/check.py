@@ -7,7 +7,7 @@ the calls such bugs show up in: the first :data:`VISITS` calls at each call site
 (``file:line``) of each group, and after that one call in :data:`SAMPLE`, chosen by the
 group's call number (the same calls on every rank).
 
-At a checked call every rank meets on the world's store (:mod:`distkit.dist._board`),
+At a checked call every rank meets on the world's store (:mod:`distkit.dist.guard.board`),
 never in a collective, so a check can never be paired with another rank's real call. It
 adds a digest of what must match (the collective, the op, dtypes, shapes where they must
 match, ``src``/``dst``; for ``all_to_all_single``, the rows each rank sends every other
@@ -20,7 +20,7 @@ The ranks' counts of call sites agree while they run the same code, and the samp
 keyed by call number; when they do not (one rank at a new line, another at an old one),
 a rank may check a call the others run unchecked, blocked in the backend. Such a rank
 does not wait forever: after :data:`ASK_AFTER` seconds one waiting rank posts a roll call,
-the watchdog (:mod:`distkit.dist._watchdog`) of every rank of the group says where its
+the watchdog (:mod:`distkit.dist.guard.watchdog`) of every rank of the group says where its
 rank is, and the watchdog of a rank in that very call (blocked in it, or with it in flight
 through ``async_op=True``) takes its part in the check. A mismatch found that way raises on
 the checking ranks and is printed at once by the others (which raise it if their blocked
@@ -44,11 +44,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from distkit import _settings
 from distkit._compat import group_timeout
-from distkit.dist import _board, debug, timeouts
+from distkit.dist import errors
+from distkit.dist.guard import board as _board
+from distkit.dist.guard import debugmode, diagnose
 
 if TYPE_CHECKING:
-    from distkit.dist._board import Board
-    from distkit.dist._comm import Comm, _GroupFacts
+    from distkit.dist.core.comm import Comm, _GroupFacts
+    from distkit.dist.guard.board import Board
 
 #: Calls checked at each call site of each group.
 VISITS = 3
@@ -142,7 +144,7 @@ def contribution(public: str, fields: dict, must: dict, rank: int, size: int) ->
     digest = _hash([public, must], digest_bits)
     term = 0
     if public == "all_to_all_single" and isinstance(fields.get("data"), dict):
-        sent, expected = debug.splits(fields, size)
+        sent, expected = debugmode.splits(fields, size)
         if expected is not None:  # else the sizes travel in headers: nothing to promise
             for other in range(size):
                 term += _hash([rank, other, sent[other]], term_bits)
@@ -199,9 +201,9 @@ def run(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
             else:  # every rank reached this check, so every rank has left its previous one
                 _forget(board, facts.last_check)
         except (
-            timeouts.CollectiveTimeoutError,
-            timeouts.RankGoneError,
-            debug.CollectiveMismatchError,
+            errors.CollectiveTimeoutError,
+            errors.RankGoneError,
+            errors.CollectiveMismatchError,
         ):
             raise
         except Exception:  # the store failed (its host went away): go on unchecked
@@ -212,12 +214,12 @@ def run(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
         facts.checking = False
     if total == _GONE:
         gone = board.read(key + "/gone") or {}
-        raise timeouts.gone_error(comm, public, seq, gone, None)
+        raise diagnose.gone_error(comm, public, seq, gone, None)
     if agrees(total, digest, size):
         return
-    mine = {"call": public, "fields": fields, "must": must, "site": debug.call_site()}
+    mine = {"call": public, "fields": fields, "must": must, "site": debugmode.call_site()}
     ranks = comm.global_ranks()
-    raise mismatch(board, key, ranks, public, mine, seq, debug.group_label(comm))
+    raise mismatch(board, key, ranks, public, mine, seq, debugmode.group_label(comm))
 
 
 def _forget(board: Board, key: Optional[str]) -> None:
@@ -247,7 +249,7 @@ def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, 
         "group": ranks,
         "key": key,
         "from": me,
-        "label": debug.group_label(comm),
+        "label": debugmode.group_label(comm),
     }
     first = min(ASK_AFTER, limit / 4)
     state: dict[str, Any] = {"at": start + first, "every": first, "asker": None, "roll": None}
@@ -276,7 +278,7 @@ def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, 
 
     total = _wait(board, key + "/done", deadline, on_pause)
     if total is None:
-        raise timeouts.diagnose(
+        raise diagnose.diagnose(
             comm,
             public,
             seq,
@@ -285,9 +287,9 @@ def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, 
     if total in (_SKIP, _GONE) and board.has(key + "/stop"):
         stop = board.read(key + "/stop") or {}
         if stop.get("deadlock"):
-            raise debug.CollectiveMismatchError(
+            raise errors.CollectiveMismatchError(
                 f"{public}: {stop['deadlock']} (found by distkit's default check, at call "
-                f"#{seq} on {debug.group_label(comm)}; on rank {me}). Every rank must call "
+                f"#{seq} on {debugmode.group_label(comm)}; on rank {me}). Every rank must call "
                 "the collectives of overlapping groups in the same order.",
                 [],
             )
@@ -340,7 +342,7 @@ def mismatch(
     seq: int,
     label: str,
     wait: bool = True,
-) -> debug.CollectiveMismatchError:
+) -> errors.CollectiveMismatchError:
     """Post this rank's call, read every rank's (waiting for them up to the grace unless
     ``wait`` is false), and build the error."""
     board.post(f"{key}/call/{board.rank}", mine)
@@ -353,7 +355,7 @@ def mismatch(
         if call is None:
             rows.append(f"  {name}: did not answer within {grace:g} s")
         else:
-            rows.append(f"  {name}: {debug.format_call(call)}")
+            rows.append(f"  {name}: {debugmode.format_call(call)}")
     known = [calls[r] for r in ranks if r in calls]  # in rank order
     lines = [
         f"{public}: the ranks of {label} disagree on this collective (found by distkit's "
@@ -374,12 +376,12 @@ def mismatch(
         if diff:
             lines.append(f"They must agree on: {', '.join(diff)}.")
         elif len(known) == len(ranks):
-            lines += [f"  {p}" for p in debug.inconsistent(public, known)]
+            lines += [f"  {p}" for p in debugmode.inconsistent(public, known)]
     lines.append(
         "(DISTKIT_CHECK=0 turns the default check off; DISTKIT_DEBUG=1 checks every call.)"
     )
     ordered = [calls.get(r, {}) for r in ranks]
-    return debug.CollectiveMismatchError("\n".join(lines), ordered)
+    return errors.CollectiveMismatchError("\n".join(lines), ordered)
 
 
 # -- a check another rank makes of a call this rank runs unchecked ---------------------
@@ -396,7 +398,7 @@ class Joined:
         self.site = site
         self.posted = 0.0  # when this rank's call was posted (a mismatch), 0: not yet
         public, name, params, args = call
-        _, self.fields, self.must = debug.signature(name, dict(zip(params, args)))
+        _, self.fields, self.must = debugmode.signature(name, dict(zip(params, args)))
         ranks = request["group"]
         self.size = len(ranks)
         self.digest, self.term = contribution(

@@ -19,7 +19,7 @@ Results come back in the caller's dtype, with the caller's aliasing (in-place re
 fill the caller's tensor; list results hold the caller's own tensor at its index). Sums
 and products wrap as that dtype's own arithmetic would; ``mean`` truncates as for every
 integer type (of ``uint64``, only values below 2**63 are exact). Every other dtype takes
-:class:`~distkit.dist._torch.TorchBackend`'s path untouched, after one dict lookup.
+:class:`~distkit.dist.backends.tensors.TorchBackend`'s path untouched, after one dict lookup.
 
 Some calls need nothing here, whatever the dtype: ``gather``, ``scatter``, and the
 uneven ``all_gather``, ``all_to_all`` and ``all_to_all_single`` (output sizes inferred)
@@ -35,10 +35,9 @@ from typing import Any, Callable, NoReturn, Optional, TypeVar, Union
 import torch
 from torch import Tensor
 
-from distkit.dist._args import fail
-from distkit.dist._ops import Op
-from distkit.dist._torch import TorchBackend, _infers_splits
-from distkit.dist._watch import watched
+from distkit.dist.backends.tensors import TorchBackend, _infers_splits
+from distkit.dist.core.args import Op, fail
+from distkit.dist.guard.watch import watched
 from distkit.dist.handle import Handle
 
 T = TypeVar("T")
@@ -119,8 +118,6 @@ def _narrow(wide: Tensor, dtype: torch.dtype, flipped: bool) -> Tensor:
 
 class GlooBackend(TorchBackend):
     """:class:`TorchBackend` with the dtypes of :data:`WIDER` carried as above."""
-
-    name = "torch"
 
     # -- reductions ---------------------------------------------------------------------
 

@@ -1,15 +1,15 @@
 """The contract every backend implements: one method per collective.
 
 The public functions (:mod:`distkit.dist.tensor`, :mod:`distkit.dist.objects`) check
-their arguments, resolve the group to a :class:`~distkit.dist._comm.Comm`, and call
+their arguments, resolve the group to a :class:`~distkit.dist.core.comm.Comm`, and call
 ``comm.backend.<collective>(comm, ...)``. A backend receives checked arguments only and
 returns what the public function returns (or, with ``async_op=True``, a
 :class:`~distkit.dist.Handle` of it), with the same aliasing in every backend: an entry
 that comes from this rank is the caller's own tensor or object; everything else is new.
 
-Backends: :mod:`distkit.dist._single` (no process group: a world of one rank),
-:mod:`distkit.dist._torch` (a torch.distributed process group) and
-:mod:`distkit.dist._traced` (the same group, while ``torch.compile`` traces).
+Backends: :mod:`distkit.dist.backends.single` (no process group: a world of one rank),
+:mod:`distkit.dist.backends.tensors` (a torch.distributed process group) and
+:mod:`distkit.dist.backends.traced` (the same group, while ``torch.compile`` traces).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from torch import Tensor
 from distkit.dist.handle import Handle
 
 if TYPE_CHECKING:
-    from distkit.dist._comm import Comm
-    from distkit.dist._ops import Op
+    from distkit.dist.core.args import Op
+    from distkit.dist.core.comm import Comm
 
 T = TypeVar("T")
 #: What a collective returns: its result, or with ``async_op=True`` a handle to it.
@@ -41,8 +41,6 @@ class ObjectCall(NamedTuple):
 
 class Backend(abc.ABC):
     """One method per collective; ``comm`` says which group and where this rank is."""
-
-    name: str
 
     # -- tensor collectives ---------------------------------------------------------
 

@@ -7,12 +7,12 @@ What the safe serializer guarantees, and what it does not, is written down once,
 
 How
 ---
-1. :func:`~distkit.dist._opcodes.scan` reads the pickle's opcodes before the unpickler
+1. :func:`~distkit.dist.codec.opcodes.scan` reads the pickle's opcodes before the unpickler
    does (a regular expression over runs of them): only the opcodes CPython's pickler
    writes with protocol 5 pass, byte counts must fit in the payload, and the globals are
    counted.
 2. Without a global the payload is plain data: one unpickling, every global refused.
-3. Otherwise a first unpickling builds stand-ins (:class:`~distkit.dist._plain.Stub`)
+3. Otherwise a first unpickling builds stand-ins (:class:`~distkit.dist.codec.plain.Stub`)
    for everything a global makes. A stand-in checks the arguments of the call that makes
    it and refuses every opcode that is not plain data for its kind (``BUILD`` on a
    tensor, ``SETITEM`` on an array, calling ``bytearray``, setting attributes of a
@@ -29,16 +29,16 @@ import io
 import pickle
 from typing import Any, Callable
 
-from distkit.dist import serializer
-from distkit.dist._opcodes import SHALLOW, depth_bound, on_deep_stack, scan
-from distkit.dist._plain import (
+from distkit.dist.codec import policy
+from distkit.dist.codec.opcodes import SHALLOW, depth_bound, on_deep_stack, scan
+from distkit.dist.codec.plain import (
     CONSTRUCTORS,
     TYPE_VALUES,
     Constructor,
     Stub,
     class_stub,
 )
-from distkit.dist.serializer import Refused
+from distkit.dist.codec.policy import Refused
 
 #: A decoded object may take at most this many bytes of memory per byte received.
 EXPANSION = 256
@@ -62,7 +62,7 @@ class Budget:
         self.left -= nbytes
 
 
-TENSOR_REF = ("distkit.dist._wire", "_tensor_ref")
+TENSOR_REF = ("distkit.dist.codec.wire", "_tensor_ref")
 
 
 class _Unpickler(pickle.Unpickler):
@@ -73,7 +73,7 @@ class _Unpickler(pickle.Unpickler):
         self.tensors = tensors
 
     def find_class(self, module: str, name: str) -> Any:
-        if not serializer.allowed(module, name):
+        if not policy.allowed(module, name):
             raise Refused(f"{module}.{name}", global_name=f"{module}.{name}")
         return self.resolve(module, name)
 
@@ -93,8 +93,8 @@ class _Stubs(_Unpickler):
             return Constructor(f"{module}.{name}", real, check, kind, ops)
         if module == "builtins" and name in TYPE_VALUES:
             return Stub(type, name=name)  # a value (a defaultdict's factory), never called
-        if module == "torch" and name in serializer.torch_dtypes():
-            return serializer.torch_dtypes()[name]  # no method the pickle machine calls
+        if module == "torch" and name in policy.torch_dtypes():
+            return policy.torch_dtypes()[name]  # no method the pickle machine calls
         return class_stub(key)  # an allowed class
 
 
@@ -109,8 +109,8 @@ class _Objects(_Unpickler):
             return CONSTRUCTORS[key][0]
         if module == "builtins" and name in TYPE_VALUES:
             return getattr(builtins, name)
-        if module == "torch" and name in serializer.torch_dtypes():
-            return serializer.torch_dtypes()[name]
+        if module == "torch" and name in policy.torch_dtypes():
+            return policy.torch_dtypes()[name]
         return super(_Unpickler, self).find_class(module, name)  # an allowed class
 
 
@@ -132,7 +132,7 @@ def load(skeleton: bytes, buffers: list, tensors: Tensors, budget: Budget) -> An
     Raises:
         Refused: anything outside plain data, found before any of it is built.
     """
-    calls = bool(serializer.user_classes())  # a namedtuple built by a call is a tuple too
+    calls = bool(policy.user_classes())  # a namedtuple built by a call is a tuple too
     globals_, _ = scan(skeleton)
     budget.charge(VM_BYTES_PER_BYTE * len(skeleton), "unpickling the object")
     bound = depth_bound(skeleton, calls) if len(skeleton) > SHALLOW else 0

@@ -3,16 +3,16 @@
 Started with the first collective on a group of several ranks, it wakes every
 :data:`TICK` seconds and
 
-- answers roll calls on the world's store (:mod:`distkit.dist._board`): where this rank
+- answers roll calls on the world's store (:mod:`distkit.dist.guard.board`): where this rank
   is (the collective it waits in, or the line its main thread runs), and, when another
-  rank checks a call that this rank runs unchecked (see :mod:`distkit.dist._check`),
+  rank checks a call that this rank runs unchecked (see :mod:`distkit.dist.guard.check`),
   takes this rank's part in that check;
 - reports a stuck collective, once: when this rank has waited in one collective for
   ``DISTKIT_STUCK_AFTER`` seconds (60 by default; 0 turns it off), it prints which ranks
   have not arrived and where every rank of the group is, and keeps waiting: if the slow
   rank arrives, the run goes on.
 
-It reads what the collectives note in their group's facts (:class:`~distkit.dist._comm.
+It reads what the collectives note in their group's facts (:class:`~distkit.dist.core.comm.
 _GroupFacts`: the thread in a collective, its call number, the call), and other threads'
 stacks through ``sys._current_frames()``: none of it costs the collectives anything.
 """
@@ -29,7 +29,9 @@ from collections import deque
 from typing import Any, Optional
 
 from distkit import _registry, _settings
-from distkit.dist import _board, _check, debug
+from distkit.dist.guard import board as _board
+from distkit.dist.guard import check as _check
+from distkit.dist.guard import debugmode
 from distkit.utils.groups import group_ranks
 
 #: Seconds between two rounds of the watchdog.
@@ -120,7 +122,7 @@ class _Watchdog:
                 call, frame = facts.pending[seq][0], None
             else:
                 continue
-            site = debug.call_site(frame) if frame is not None else "(in flight: async_op=True)"
+            site = debugmode.call_site(frame) if frame is not None else "(in flight: async_op=True)"
             joined = _check.Joined(facts, request, call, site, board.rank)
             self.joined[key] = joined
             joined.add(board)
@@ -231,7 +233,7 @@ def state(board: _board.Board) -> dict:
                     "seq": facts.seq,
                     "call": call[0],
                     "checking": facts.checking,
-                    "site": debug.call_site(frames.get(thread)),
+                    "site": debugmode.call_site(frames.get(thread)),
                 }
             )
         for seq, (pending, handle) in list(facts.pending.items()):
@@ -240,7 +242,7 @@ def state(board: _board.Board) -> dict:
     main = threading.main_thread().ident
     at = None
     if main not in busy and main in frames:
-        at = debug.call_site(frames[main])
+        at = debugmode.call_site(frames[main])
     return {"rank": board.rank, "in": inside, "flight": flight, "at": at, "pid": os.getpid()}
 
 
@@ -359,7 +361,7 @@ def verdict(facts: Any, seq: int, seconds: float = 2.0) -> Optional[BaseExceptio
 def ensure(table: dict[int, Any]) -> None:
     """Start this process's watchdog unless it runs (it ends when no world is left, and
     a forked child has none of its parent's threads); ``table`` holds the facts of every
-    group the collectives know (``distkit.dist._comm._FACTS``)."""
+    group the collectives know (``distkit.dist.core.comm._FACTS``)."""
     global _started, _table, _running
     _table = table
     if _started == os.getpid():

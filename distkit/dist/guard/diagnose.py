@@ -1,4 +1,5 @@
-"""Timeouts that name names: which ranks never arrived at a collective, and where they are.
+"""Errors that name names: which ranks never arrived at a collective, and where they are;
+which rank went away, and how.
 
 When a collective waits longer than its group's timeout, the rank posts where it is
 waiting to the world's store, waits a few seconds (the *grace*) for the other ranks of
@@ -17,26 +18,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from distkit import _registry, _settings
 from distkit._compat import default_store
-from distkit.dist import _board
-from distkit.dist._board import describe_exit
-from distkit.dist.debug import call_site, group_label
+from distkit.dist.errors import CollectiveTimeoutError, RankGoneError
+from distkit.dist.guard import board as _board
+from distkit.dist.guard.board import describe_exit
+from distkit.dist.guard.debugmode import call_site, group_label
 
 if TYPE_CHECKING:
-    from distkit.dist._comm import Comm
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective waited longer than its timeout.
-
-    Attributes:
-        missing: Global ranks that never arrived at this call.
-        reports: What the other ranks posted about where they were waiting, by global rank.
-    """
-
-    def __init__(self, message: str, missing: list[int], reports: dict[int, dict]) -> None:
-        super().__init__(message)
-        self.missing = missing
-        self.reports = reports
+    from distkit.dist.core.comm import Comm
 
 
 def is_timeout(exc: BaseException) -> bool:
@@ -131,20 +119,6 @@ def diagnose(comm: Comm, public: str, seq: int, exc: BaseException) -> Collectiv
         lines.append(f"Rank(s) {', '.join(map(str, same))} are waiting in this call too.")
     lines.append(f"The backend said: {exc}")
     return CollectiveTimeoutError("\n".join(lines), missing, reports)
-
-
-class RankGoneError(RuntimeError):
-    """A rank of the group went away (exited, or was killed) while this rank waited for it
-    in a collective.
-
-    Attributes:
-        gone: What is known of each rank that went away, by global rank: its exit note
-            (``{"how": ..., "code": ..., "error": ...}``), empty for a rank that left none.
-    """
-
-    def __init__(self, message: str, gone: dict[int, dict]) -> None:
-        super().__init__(message)
-        self.gone = gone
 
 
 #: What a backend's error says when a peer went away (gloo, NCCL, the store)

@@ -5,7 +5,7 @@ CPython's unpickler trusts a few opcodes' arguments with memory before it has re
 beyond the end of the payload is allocated before the read fails, and a tuple nested a
 million deep crashes it when the tuple is hashed (a dict key). :func:`scan` rules these
 out before the unpickler sees a byte, at the speed of a regular expression; see
-:mod:`distkit.dist._safe` for the rest of the safe serializer.
+:mod:`distkit.dist.codec.safe` for the rest of the safe serializer.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Callable, NoReturn, TypeVar
 
-from distkit.dist.serializer import Refused
+from distkit.dist.codec.policy import Refused
 
 T = TypeVar("T")
 

@@ -1,8 +1,13 @@
-"""Argument checks shared by every backend, and distkit's error message layout.
+"""Argument checks shared by every layer, reduction ops, and distkit's error layout.
 
 Every check runs before any communication and raises the same exception, with the same
 message, whatever the world size: the message says what was wrong, on which rank, and
-what to do (``fn: what (on rank r of n). Fix``).
+what to do (``fn: what (on rank r of n). Fix``). Reduction ops: the names distkit
+accepts, and which dtypes each op applies to.
+
+The checks need only where the caller stands (``comm.rank``, ``comm.size``): any
+:class:`Where`, which :class:`~distkit.dist.core.comm.Comm` is, so this module imports no
+other layer.
 """
 
 from __future__ import annotations
@@ -10,13 +15,21 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, Optional
+from typing import Any, NamedTuple, NoReturn, Optional, Protocol, Union
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from distkit.dist._comm import Comm
+from distkit._compat import ReduceOp, internal_overlap
+
+
+class Where(Protocol):
+    """Where a call stands: this rank's place in its group (a Comm is one)."""
+
+    rank: int
+    size: int
+
+    def global_ranks(self) -> list[int]: ...
 
 
 _DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # 2.5+, 2.4
@@ -38,11 +51,11 @@ def is_dtensor(obj: Any) -> bool:
     return kind is not None and isinstance(obj, kind)
 
 
-def where(comm: Comm) -> str:
+def where(comm: Where) -> str:
     return f"rank {comm.rank} of {comm.size}"
 
 
-def fail(exc: type[Exception], fn: str, comm: Comm, what: str, fix: str = "") -> NoReturn:
+def fail(exc: type[Exception], fn: str, comm: Where, what: str, fix: str = "") -> NoReturn:
     """Raise ``exc`` with distkit's message layout: ``fn: what (on rank r of n). fix``."""
     message = f"{fn}: {what} (on {where(comm)})"
     if fix:
@@ -63,7 +76,7 @@ def error_code(exc: BaseException) -> int:
     return len(REMOTE_ERRORS) - 1
 
 
-def remote_failure(code: int, fn: str, comm: Comm, what: str) -> NoReturn:
+def remote_failure(code: int, fn: str, comm: Where, what: str) -> NoReturn:
     """Raise, on a rank left waiting, the error another rank passed on (see error_code)."""
     kind = REMOTE_ERRORS[code] if 0 <= code < len(REMOTE_ERRORS) else RuntimeError
     fail(kind, fn, comm, what)
@@ -78,7 +91,7 @@ def show(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"[:120]
 
 
-def tensor(value: Any, name: str, fn: str, comm: Comm) -> Tensor:
+def tensor(value: Any, name: str, fn: str, comm: Where) -> Tensor:
     if not isinstance(value, Tensor):
         fail(TypeError, fn, comm, f"{name} must be a torch.Tensor, got {show(value)}")
     if value.__class__ is not Tensor:
@@ -87,7 +100,7 @@ def tensor(value: Any, name: str, fn: str, comm: Comm) -> Tensor:
     return value
 
 
-def dense(value: Tensor, name: str, fn: str, comm: Comm) -> None:
+def dense(value: Tensor, name: str, fn: str, comm: Where) -> None:
     """Reject tensors whose memory is not one strided block of numbers: sparse, MKL-DNN,
     quantized, nested and meta tensors (tensor collectives send a tensor's raw memory).
 
@@ -118,7 +131,7 @@ def dense(value: Tensor, name: str, fn: str, comm: Comm) -> None:
     )
 
 
-def not_dtensor(value: Tensor, name: str, fn: str, comm: Comm) -> None:
+def not_dtensor(value: Tensor, name: str, fn: str, comm: Where) -> None:
     """Reject a DTensor: a tensor collective moves plain tensors, and which tensor of a
     DTensor to move (this rank's shard, or the whole) is the caller's choice."""
     if is_dtensor(value):
@@ -132,9 +145,9 @@ def not_dtensor(value: Tensor, name: str, fn: str, comm: Comm) -> None:
         )
 
 
-def writable(value: Tensor, name: str, fn: str, comm: Comm) -> None:
+def writable(value: Tensor, name: str, fn: str, comm: Where) -> None:
     """Reject tensors a collective cannot write its result into (``expand()`` views)."""
-    if not value.is_contiguous() and torch._debug_has_internal_overlap(value) == 1:
+    if not value.is_contiguous() and internal_overlap(value):
         fail(
             ValueError,
             fn,
@@ -145,13 +158,13 @@ def writable(value: Tensor, name: str, fn: str, comm: Comm) -> None:
         )
 
 
-def flag(value: Any, name: str, fn: str, comm: Comm) -> bool:
+def flag(value: Any, name: str, fn: str, comm: Where) -> bool:
     if value is not True and value is not False:
         fail(TypeError, fn, comm, f"{name} must be True or False, got {show(value)}")
     return value
 
 
-def rank(value: Any, name: str, fn: str, comm: Comm) -> int:
+def rank(value: Any, name: str, fn: str, comm: Where) -> int:
     """Check that ``value`` is a group rank of ``comm`` (src/dst arguments).
 
     Any integer is accepted (NumPy's too), never a bool or a float.
@@ -178,7 +191,7 @@ def rank(value: Any, name: str, fn: str, comm: Comm) -> int:
 
 
 def tensor_list(
-    value: Any, name: str, fn: str, comm: Comm, *, same_shape: bool = False
+    value: Any, name: str, fn: str, comm: Where, *, same_shape: bool = False
 ) -> list[Tensor]:
     """Check a list holding one tensor per rank of ``comm``, all of one dtype and device."""
     if not isinstance(value, (list, tuple)):
@@ -233,7 +246,7 @@ def tensor_list(
     return list(value)
 
 
-def splits(value: Any, name: str, total: Optional[int], fn: str, comm: Comm) -> list[int]:
+def splits(value: Any, name: str, total: Optional[int], fn: str, comm: Where) -> list[int]:
     """Check split sizes: one non-negative int per rank, summing to ``total`` if given."""
     if isinstance(value, Tensor):
         value = value.tolist()
@@ -263,7 +276,7 @@ def splits(value: Any, name: str, total: Optional[int], fn: str, comm: Comm) -> 
     return out
 
 
-def object_list(value: Any, fn: str, comm: Comm) -> list:
+def object_list(value: Any, fn: str, comm: Where) -> list:
     """Check a list holding one object per rank of ``comm``."""
     if not isinstance(value, (list, tuple)):
         fail(
@@ -283,7 +296,7 @@ def object_list(value: Any, fn: str, comm: Comm) -> list:
     return list(value)
 
 
-def map_location(value: Any, fn: str, comm: Comm) -> Optional[torch.device]:
+def map_location(value: Any, fn: str, comm: Where) -> Optional[torch.device]:
     """Check a ``map_location`` argument: ``None`` or anything ``torch.device`` accepts."""
     if value is None:
         return None
@@ -297,3 +310,122 @@ def map_location(value: Any, fn: str, comm: Comm) -> Optional[torch.device]:
             f"map_location must be None or a device, got {show(value)} ({exc})",
             "Pass e.g. 'cpu', 'cuda' or a torch.device",
         )
+
+
+# -- reduction ops ---------------------------------------------------------------------
+
+#: What every ``op`` argument accepts: a name (any case) or a torch ``ReduceOp``.
+OpLike = Union[str, ReduceOp, "ReduceOp.RedOpType"]
+
+
+class Op(NamedTuple):
+    """A reduction: its distkit name and the torch op it runs as."""
+
+    name: str
+    torch_op: Any
+    divide: bool = False  # mean: sum, then divide by the group size (see mean_of)
+
+
+def mean_of(total: Tensor, size: int) -> None:
+    """Turn ``total``, a sum over ``size`` ranks, into their mean, in place.
+
+    The result keeps ``total``'s dtype, as mmengine's does: integers are divided with
+    truncation toward zero (exactly: mmengine goes through float32), and for bools the
+    sum is already their logical or, which is what the mean of bools stored as a bool is.
+    """
+    if total.dtype.is_floating_point or total.dtype.is_complex:
+        total.div_(size)
+    elif total.dtype is not torch.bool:
+        total.div_(size, rounding_mode="trunc")
+
+
+NAMES = ("sum", "mean", "max", "min", "product", "band", "bor", "bxor")
+
+
+def _build() -> dict[str, Op]:
+    table = {
+        "sum": Op("sum", ReduceOp.SUM),
+        "mean": Op("mean", ReduceOp.SUM, divide=True),
+        "max": Op("max", ReduceOp.MAX),
+        "min": Op("min", ReduceOp.MIN),
+        "product": Op("product", ReduceOp.PRODUCT),
+        "band": Op("band", ReduceOp.BAND),
+        "bor": Op("bor", ReduceOp.BOR),
+        "bxor": Op("bxor", ReduceOp.BXOR),
+    }
+    # other spellings: torch's AVG and PRODUCT names
+    table["avg"] = table["mean"]
+    table["prod"] = table["product"]
+    return table
+
+
+OPS = _build()
+_BY_TORCH: dict[Any, str] = {
+    ReduceOp.SUM: "sum",
+    ReduceOp.MAX: "max",
+    ReduceOp.MIN: "min",
+    ReduceOp.PRODUCT: "product",
+    ReduceOp.BAND: "band",
+    ReduceOp.BOR: "bor",
+    ReduceOp.BXOR: "bxor",
+}
+if getattr(ReduceOp, "AVG", None) is not None:
+    _BY_TORCH[ReduceOp.AVG] = "mean"
+_TORCH_OPS = (ReduceOp, type(ReduceOp.SUM))
+
+
+def resolve(value: Any, fn: str, comm: Where) -> Op:
+    """Resolve an op name (any case) or a torch ``ReduceOp`` to an :class:`Op`."""
+    if isinstance(value, str):
+        found = OPS.get(value) or OPS.get(value.lower())
+        if found is not None:
+            return found
+        fail(
+            ValueError,
+            fn,
+            comm,
+            f"unknown op {value!r}",
+            f"Use one of {', '.join(NAMES)} (any case) or a torch ReduceOp",
+        )
+    name = None
+    if isinstance(value, _TORCH_OPS):  # not plain ints: torch's ops compare equal to them
+        try:
+            name = _BY_TORCH.get(value)
+        except TypeError:  # a ReduceOp object (PREMUL_SUM) is unhashable
+            name = None
+    if name is None:
+        fail(
+            ValueError if isinstance(value, ReduceOp) else TypeError,
+            fn,
+            comm,
+            f"op must be an op name or a torch ReduceOp, got {show(value)}",
+            f"Use one of {', '.join(NAMES)}",
+        )
+    return OPS[name]
+
+
+_VALID: set[tuple[str, torch.dtype]] = set()  # (op, dtype) pairs already accepted
+
+
+def check_dtype(op: Op, t: Tensor, name: str, fn: str, comm: Where) -> None:
+    """Reject the dtype/op pairs that torch's backends reject (gloo's rules)."""
+    dtype = t.dtype
+    if (op.name, dtype) in _VALID:
+        return
+    if op.name in ("band", "bor", "bxor") and (dtype.is_floating_point or dtype.is_complex):
+        fail(
+            TypeError,
+            fn,
+            comm,
+            f"op='{op.name}' needs an integer or bool {name}, got {dtype}",
+            "Bitwise reductions only apply to integer and bool tensors",
+        )
+    if dtype.is_complex and op.name not in ("sum", "mean"):
+        fail(
+            TypeError,
+            fn,
+            comm,
+            f"op='{op.name}' is not defined for complex {name} ({dtype})",
+            "Complex tensors support op='sum' and op='mean'",
+        )
+    _VALID.add((op.name, dtype))

@@ -1,6 +1,6 @@
 """Object collectives on a torch.distributed process group (half of the torch backend).
 
-Each object is encoded by :mod:`distkit.dist._wire` into a CPU part (pickled skeleton,
+Each object is encoded by :mod:`distkit.dist.codec.wire` into a CPU part (pickled skeleton,
 CPU tensors, NumPy buffers) and a device part (tensors on the group's accelerator). The
 rounds:
 
@@ -22,7 +22,6 @@ naming it) instead of the others hanging.
 
 from __future__ import annotations
 
-import struct
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
@@ -30,27 +29,26 @@ import torch.distributed as td
 from torch import Tensor
 
 from distkit._compat import all_gather_single
-from distkit.dist import _args, _pickling, _wire
-from distkit.dist._backend import Backend, ObjectCall
-from distkit.dist._watch import watched
-from distkit.dist._wire import Encoded
+from distkit.dist.backends.base import Backend, ObjectCall
+from distkit.dist.codec import pickling as _pickling
+from distkit.dist.codec import wire as _wire
+from distkit.dist.codec.wire import Encoded
+from distkit.dist.core import args as _args
+from distkit.dist.core import layouts
+from distkit.dist.guard.watch import watched
 from distkit.utils.groups import get_cpu_group
 
 if TYPE_CHECKING:
-    from distkit.dist._comm import Comm
+    from distkit.dist.core.comm import Comm
 
-#: Bytes per rank in the first round. An object whose CPU part (pickle + CPU tensors)
-#: fits in ``SLOT_BYTES - SLOT_HEAD`` needs no further round.
-SLOT_BYTES = 4096
-SLOT_HEAD = 64  # int64 status, cpu bytes, device bytes, 2 flags; padded for alignment
-INLINE_BYTES = SLOT_BYTES - SLOT_HEAD
+#: The first round's slots (see distkit.dist.core.layouts): an object whose CPU part
+#: (pickle + CPU tensors) fits in INLINE_BYTES needs no further round.
+SLOT_BYTES, SLOT_HEAD, INLINE_BYTES = layouts.SLOT_BYTES, layouts.SLOT_HEAD, layouts.INLINE_BYTES
 #: Above this size a CPU overflow moves by exact-size broadcasts rather than a padded
-#: all_gather (see BROADCAST_GATHER_BYTES in _torch.py for the measurement).
+#: all_gather (see BROADCAST_GATHER_BYTES in backends/tensors.py for the measurement).
 BROADCAST_BYTES = 256 * 1024
 
-# Slot status: the object fits, it overflows, or the sender failed: FAILED + the index of
-# its error's type in _args.REMOTE_ERRORS, so the other ranks raise the same type.
-INLINE, OVERFLOW, FAILED = 0, 1, 2
+INLINE, OVERFLOW, FAILED = layouts.INLINE, layouts.OVERFLOW, layouts.FAILED
 
 
 class _Channel:
@@ -118,7 +116,7 @@ def _slot(
             raw[SLOT_HEAD : SLOT_HEAD + n] = _wire.bytes_view(enc.cpu)
     else:
         head = (INLINE, 0, 0)
-    struct.pack_into("<5q", raw, 0, *head, *(int(f) for f in flags))
+    layouts.SLOT.pack_into(raw, 0, *head, *(int(f) for f in flags))
     slot = torch.frombuffer(raw, dtype=torch.uint8)
     return slot if ch.device.type == "cpu" else slot.to(ch.device)
 
@@ -127,7 +125,7 @@ def _heads(slots: Tensor) -> tuple[Tensor, list[_Head]]:
     """Host copy of received slots (one row per slot) and their parsed headers."""
     host = slots.reshape(-1, SLOT_BYTES).cpu()
     raw = _wire.bytes_view(host.reshape(-1))
-    heads = [_Head(*struct.unpack_from("<5q", raw, r * SLOT_BYTES)) for r in range(host.shape[0])]
+    heads = [_Head(*layouts.SLOT.unpack_from(raw, r * SLOT_BYTES)) for r in range(host.shape[0])]
     return host, heads
 
 
@@ -261,7 +259,8 @@ class _Parts(dict):
 
 
 class TorchObjects(Backend):
-    """The object collectives of the torch backend (:class:`~distkit.dist._torch.TorchBackend`)."""
+    """The object collectives of the torch backend
+    (:class:`~distkit.dist.backends.tensors.TorchBackend`)."""
 
     @watched
     def all_gather_object(self, comm: Comm, data: Any, call: ObjectCall) -> list[Any]:

@@ -7,7 +7,7 @@ a guard made only of identity and exact-type tests of the arguments it declares
 question "is there a process group?", read from :data:`distkit._registry.current` like
 everywhere else. When the guard holds it returns the single-process result at once;
 otherwise the decorated function (the *checked path*: argument checks, then
-:func:`distkit.dist._comm.resolve`, then a backend) runs.
+:func:`distkit.dist._route.resolve`, then a backend) runs.
 
 A guard only accepts trivially valid arguments (a test of identity can fail spuriously,
 and then the checked path runs, but never accept a bad value), so the shortcut and the
@@ -16,7 +16,7 @@ every public function with and without a process group to hold that line. One ex
 chosen for speed: a tensor's class is all a guard tests, so a sparse, MKL-DNN, quantized,
 nested or meta tensor (class ``Tensor`` too) passes a single process's no-op unchanged,
 while every call with a process group raises the ``TypeError`` of
-:func:`distkit.dist._args.dense` (reading the layout would double the no-op's cost).
+:func:`distkit.dist.core.args.dense` (reading the layout would double the no-op's cost).
 
 Torch-free: :mod:`distkit.dist.world` uses it before torch is imported.
 """
@@ -66,9 +66,10 @@ def shortcut(
             ``pg`` exists (``"pg.rank()"``); ``None`` lets the checked path run then.
         lane: ``(name, condition, fn)``: when every condition holds, a process group
             exists and parameter ``name`` meets ``condition`` too, ``fn(first
-            parameter)`` runs, and what it returns is the result unless it is ``None``
-            (then the checked path runs). For a many-rank call common enough to skip
-            the checked path's layers (see :mod:`distkit.dist._lane`).
+            parameter, the default group)`` runs, and what it returns is the result
+            unless it is ``None`` (then the checked path runs). For a many-rank call
+            common enough to skip the checked path's layers (see
+            :attr:`distkit.dist.backends.tensors.TorchBackend.lane`).
         collective: Whether the function is a collective: its guard then reads "is
             there a process group?" through :func:`distkit._registry.guard`, so that a
             launched process without one takes the checked path (which raises) instead
@@ -109,10 +110,11 @@ def shortcut(
             name, condition, fn = lane
             first = next(iter(sig.parameters))
             body += [
-                "            if _world._default_pg is None:",
+                "            pg = _world._default_pg",
+                "            if pg is None:",
                 f"                return {returns}",
                 f"            if {_test(name, condition, bind)}:",
-                f"                done = {bind(fn)}({first})",
+                f"                done = {bind(fn)}({first}, pg)",
                 "                if done is not None:",
                 "                    return done",
             ]

@@ -4,8 +4,8 @@ Collectives travel through the backend (gloo, NCCL); when one goes wrong, the ra
 need to tell each other what they are doing. The store the default process group
 rendezvoused on (the launcher's TCPStore under torchrun and ``distkit launch``, a
 FileStore under :mod:`distkit.testing`) is that side channel: the default cross-rank
-check (:mod:`distkit.dist._check`) meets there, the watchdog
-(:mod:`distkit.dist._watchdog`) answers roll calls there, and a rank that exits leaves a
+check (:mod:`distkit.dist.guard.check`) meets there, the watchdog
+(:mod:`distkit.dist.guard.watchdog`) answers roll calls there, and a rank that exits leaves a
 note there for the ranks it leaves waiting.
 
 Keys live under ``distkit/<world>/``, where ``<world>`` tells this world from earlier
