@@ -139,15 +139,6 @@ def coalescing(world: Any, pg: Any) -> bool:
     return True if state is None else pg in state
 
 
-def internal_overlap(t: Tensor) -> bool:
-    """Whether some elements of ``t`` share memory (an ``expand()``ed view): torch's own
-    test, or, without it, a zero stride on a dimension of several elements."""
-    probe = getattr(torch, "_debug_has_internal_overlap", None)
-    if probe is not None:
-        return bool(probe(t) == 1)
-    return any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride()))
-
-
 def flatten_dense(tensors: list[Tensor]) -> Tensor:
     """``tensors`` concatenated flat (torch's bucketing helper, or its public equivalent)."""
     fn = getattr(getattr(torch, "_utils", None), "_flatten_dense_tensors", None)
@@ -192,8 +183,13 @@ def get_process_group_ranks(pg: Any) -> list[int]:
 
 
 def default_store() -> Any:
-    """The store the default process group rendezvoused on (used for hang reports)."""
-    return c10d._get_default_store()
+    """The store the default process group rendezvoused on (the side channel of
+    distkit's diagnostics). Raises when this torch does not say (then the diagnostics
+    that need it do without: see :mod:`distkit.dist.guard.board`)."""
+    getter = getattr(c10d, "_get_default_store", None)
+    if getter is None:
+        raise RuntimeError("this torch does not expose the default group's store")
+    return getter()
 
 
 def root_store(store: Any) -> Any:
@@ -256,7 +252,11 @@ def destroy(groups: Optional[list[Any]] = None) -> None:
     reference, moves that join into the backend's destructor, which releases the GIL.
     The caller must hold no other reference to the groups (``groups`` itself is emptied).
     """
-    targets = list(c10d._world.pg_map) if groups is None else groups
+    world: Any = getattr(c10d, "_world", None)
+    if groups is None and not hasattr(world, "pg_map"):  # a torch without the registry
+        td.destroy_process_group()
+        return
+    targets = list(world.pg_map) if groups is None else groups
     held = []
     for pg in targets:
         for device in ("cpu", "cuda"):
@@ -278,7 +278,8 @@ def destroy(groups: Optional[list[Any]] = None) -> None:
 
 def is_registered(pg: Any) -> bool:
     """Whether ``pg`` belongs to the current world (False once it was destroyed)."""
-    return pg in c10d._world.pg_map if hasattr(c10d, "_world") else True
+    world: Any = getattr(c10d, "_world", None)
+    return pg in world.pg_map if hasattr(world, "pg_map") else True
 
 
 def accelerator_current_index(device_type: str) -> int:

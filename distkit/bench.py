@@ -34,7 +34,7 @@ import torch.distributed as td
 
 import distkit.dist as dist
 from distkit import _settings
-from distkit._compat import all_gather_single, reduce_scatter_single
+from distkit._compat import all_gather_single, functional_collectives, reduce_scatter_single
 
 MiB = 1024 * 1024
 
@@ -392,7 +392,7 @@ def _compile_cases(rank: int, size: int, quick: bool) -> list[tuple]:
     distkit against the same step written with torch's functional collective, with the
     c10d call (which torch.compile rewrites into the functional one), and with mmengine.
     """
-    import torch.distributed._functional_collectives as fc
+    fc = functional_collectives()
 
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
         return []  # distkit traces under torch.compile from torch 2.13 on

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, NoReturn, Optional, Protocol, Union
 import torch
 from torch import Tensor
 
-from distkit._compat import ReduceOp, internal_overlap
+from distkit._compat import ReduceOp
 
 
 class Where(Protocol):
@@ -142,19 +142,6 @@ def not_dtensor(value: Tensor, name: str, fn: str, comm: Where) -> None:
             f"{name} is a DTensor; distkit's tensor collectives take plain tensors",
             f"Pass {name}.to_local() (this rank's shard) or {name}.full_tensor() (the "
             "whole tensor, gathered)",
-        )
-
-
-def writable(value: Tensor, name: str, fn: str, comm: Where) -> None:
-    """Reject tensors a collective cannot write its result into (``expand()`` views)."""
-    if not value.is_contiguous() and internal_overlap(value):
-        fail(
-            ValueError,
-            fn,
-            comm,
-            f"{name} is a view whose elements share memory (e.g. from expand()), so the "
-            "result cannot be written into it in place",
-            f"Pass {name}.clone() (or {name}.contiguous())",
         )
 
 
