@@ -25,7 +25,7 @@ LAYERS = [
     | {"distkit.dist.errors", "distkit.dist.handle"},
     # 2: what backends are built from: the object codec, and what guards every call
     {"distkit.dist.codec", "distkit.dist.codec.wire", "distkit.dist.codec.pickling"}
-    | {"distkit.dist.codec.policy", "distkit.dist.codec.safe", "distkit.dist.codec.plain"}
+    | {"distkit.dist.codec.policy", "distkit.dist.codec.safe", "distkit.dist.codec.builders"}
     | {"distkit.dist.codec.opcodes", "distkit.dist.guard", "distkit.dist.guard.watch"}
     | {"distkit.dist.guard.debugmode", "distkit.dist.guard.check", "distkit.dist.guard.board"}
     | {"distkit.dist.guard.watchdog", "distkit.dist.guard.diagnose"},

@@ -170,9 +170,9 @@ def test_numpy_arrays_scalars_and_dtypes_of_plain_data_still_decode():
     ],
 )
 def test_numpy_array_constructor_checks_its_arguments(args):
-    from distkit.dist.codec import plain as _plain
+    from distkit.dist.codec import builders
 
-    refused(encoded(Reduce(_plain.numpy_array, args)))
+    refused(encoded(Reduce(builders.numpy_array, args)))
 
 
 @pytest.mark.parametrize(
@@ -186,9 +186,9 @@ def test_numpy_array_constructor_checks_its_arguments(args):
     ],
 )
 def test_numpy_scalar_constructor_checks_its_arguments(args):
-    from distkit.dist.codec import plain as _plain
+    from distkit.dist.codec import builders
 
-    refused(encoded(Reduce(_plain.numpy_scalar, args)))
+    refused(encoded(Reduce(builders.numpy_scalar, args)))
 
 
 # -- allocation: no constructor takes a size from the sender ----------------------------

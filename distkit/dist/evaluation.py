@@ -251,8 +251,7 @@ def collect_results(
         tmpdir: Accepted for mmengine compatibility and ignored.
         dst: Rank (within ``group``) that gets the results; ``None`` gives them to every
             rank.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         order: ``interleaved`` or ``contiguous``; ignored when ``indices`` is given.
         indices: Dataset index of each of this rank's results.
         serializer: ``pickle`` or ``safe`` for the results received (see
@@ -297,7 +296,7 @@ def collect_results(
     indices = _check(fn, comm, results, size, order, indices, sampler)
     if dst is not None:
         dst = _args.rank(dst, "dst", fn, comm)
-    call = ObjectCall(fn, None, policy.resolve(serializer, fn, comm))
+    call = ObjectCall(fn, None, policy.serializer_of(serializer, fn, comm))
     collected = _Collected(comm, call, dst, results, indices)
     steps: Iterable[int] = range(1, collected.step(0))  # the first round tells the rest
     if comm.rank == (dst or 0):
@@ -614,7 +613,7 @@ def iter_results(
         results: This rank's results, in the order it evaluated its samples.
         size: Number of samples in the dataset.
         dst: Rank (within ``group``) that gets the results.
-        group: ``None`` (default group), a ``ProcessGroup`` or a list of global ranks.
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         order: ``interleaved`` or ``contiguous``; ignored when ``indices`` is given.
         indices: Dataset index of each of this rank's results.
         sampler: The ``DistributedSampler`` this rank evaluated with; its indices place
@@ -668,7 +667,7 @@ def iter_results(
             comm,
             f"chunk_bytes must be a positive int, got {_args.show(chunk_bytes)}",
         )
-    call = ObjectCall(fn, None, policy.resolve(serializer, fn, comm))
+    call = ObjectCall(fn, None, policy.serializer_of(serializer, fn, comm))
     if comm.alone:
         plan, error, _ = _plan(fn, comm, results, size, indices, 0, "")
         if error is not None:

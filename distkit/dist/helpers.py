@@ -158,8 +158,7 @@ def all_reduce_dict(
     Args:
         data: Metric name to tensor (any shapes).
         op: Any op of :func:`all_reduce`; ``mean`` averages each metric over ranks.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
 
     Returns:
         ``data``, its tensors holding the reductions.
@@ -185,7 +184,7 @@ def all_reduce_dict(
     comm = resolve(group, fn)
     if not isinstance(data, Mapping):
         _args.fail(TypeError, fn, comm, f"data must be a dict of tensors, got {_args.show(data)}")
-    rop = _args.resolve(op, fn, comm)
+    rop = _args.op_of(op, fn, comm)
     keys = sorted(data, key=str)
     for k in keys:
         _args.tensor(data[k], f"data[{k!r}]", fn, comm)
@@ -217,8 +216,7 @@ def all_reduce_params(
             instead of one all_reduce per tensor.
         bucket_size_mb: Bucket size limit in MiB; ``-1`` puts each dtype in one bucket.
         op: Any op of :func:`all_reduce`.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
 
     Returns:
         The tensors, as a list, now holding the reductions (same objects as passed in).
@@ -237,7 +235,7 @@ def all_reduce_params(
     """
     fn = "all_reduce_params"
     comm = resolve(group, fn)
-    rop = _args.resolve(op, fn, comm)
+    rop = _args.op_of(op, fn, comm)
     _args.flag(coalesce, "coalesce", fn, comm)
     if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
         _args.fail(
@@ -284,8 +282,7 @@ def sync_random_seed(group: GroupLike = None) -> int:
     Single process: returns a fresh random seed.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
 
     Returns:
         An int in ``[0, 2**31)``, the same on every rank.

@@ -36,7 +36,7 @@ from distkit.dist.core.shortcut import shortcut
 def _call(fn: str, comm: Comm, map_location: Any, serializer_name: Optional[str]) -> ObjectCall:
     """Check the options every object collective takes."""
     device = _args.map_location(map_location, fn, comm)
-    return ObjectCall(fn, device, policy.resolve(serializer_name, fn, comm))
+    return ObjectCall(fn, device, policy.serializer_of(serializer_name, fn, comm))
 
 
 _ATOMS = _pickling.ATOMS
@@ -80,8 +80,7 @@ def all_gather_object(
 
     Args:
         data: This rank's object.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         map_location: Device for received tensors; ``None`` puts CPU tensors on the CPU
             and accelerator tensors on this rank's current device of that type.
         serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
@@ -125,8 +124,7 @@ def gather_object(
     Args:
         data: This rank's object.
         dst: Rank (within ``group``) that receives the objects.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         map_location: Device for received tensors (see :func:`all_gather_object`).
         serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
             the process-wide setting (see :func:`set_serializer`).
@@ -176,8 +174,7 @@ def broadcast_object_list(
     Args:
         data: On ``src``, the objects to send; elsewhere, the list to fill.
         src: Rank (within ``group``) whose list is sent.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         map_location: Device for received tensors (see :func:`all_gather_object`).
         serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
             the process-wide setting (see :func:`set_serializer`).
@@ -235,8 +232,7 @@ def broadcast_object(
     Args:
         obj: The object to send on ``src``; ignored elsewhere.
         src: Rank (within ``group``) whose object is sent.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         map_location: Device for received tensors (see :func:`all_gather_object`).
         serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
             the process-wide setting (see :func:`set_serializer`).
@@ -280,8 +276,7 @@ def scatter_object_list(
     Args:
         data: On ``src``, one picklable object per rank; ignored elsewhere.
         src: Rank (within ``group``) that holds the objects.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         map_location: Device for received tensors (see :func:`all_gather_object`).
         serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
             the process-wide setting (see :func:`set_serializer`).
@@ -330,8 +325,7 @@ def all_to_all_object(
 
     Args:
         data: One picklable object per rank of ``group``.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         map_location: Device for received tensors (see :func:`all_gather_object`).
         serializer: ``pickle`` or ``safe`` for what this call receives; ``None`` uses
             the process-wide setting (see :func:`set_serializer`).

@@ -16,7 +16,7 @@ Whatever the bytes, decoding them with the safe serializer:
   first made against a stand-in that checks its arguments (plain ints, strings and bytes
   of bounded size). NumPy's own globals (``_reconstruct``, ``dtype`` and its state,
   ``scalar``) are never loaded: distkit's encoder sends arrays, scalars and dtypes
-  through its own checked constructors (:mod:`distkit.dist.codec.plain`).
+  through its own checked constructors (:mod:`distkit.dist.codec.builders`).
 - **Corrupts no memory.** NumPy data is of fixed-size bool, integer, float, complex,
   datetime, timedelta, bytes or unicode dtypes only, never object, structured or void
   ones (an object dtype reads received bytes as pointers). The shape of an array or a

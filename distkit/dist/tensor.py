@@ -93,8 +93,7 @@ def all_reduce(
         op: ``sum``, ``mean``, ``max``, ``min``, ``product``, ``band``, ``bor`` or ``bxor``
             (any case; ``avg`` and ``prod``, torch's names, are the same as ``mean`` and
             ``product``), or a ``torch.distributed.ReduceOp``.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns ``data``.
         grad: Differentiable: return a new tensor (``data`` is left alone) through which
             gradients flow back to every rank's ``data``. The loss differentiated is the
@@ -128,7 +127,7 @@ def all_reduce(
     fn = "all_reduce"
     comm = resolve(group, fn)
     _args.tensor(data, "data", fn, comm)
-    rop = _args.resolve(op, fn, comm)
+    rop = _args.op_of(op, fn, comm)
     _args.check_dtype(rop, data, "data", fn, comm)
     _args.flag(async_op, "async_op", fn, comm)
     if _args.flag(grad, "grad", fn, comm):
@@ -189,8 +188,7 @@ def all_gather(
 
     Args:
         data: This rank's tensor, of any shape.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
             Without ``same_shape=True`` the call completes before it returns (its size
             round and size history must not depend on when each rank waits).
@@ -274,8 +272,7 @@ def gather(
     Args:
         data: This rank's tensor, of any shape.
         dst: Rank (within ``group``) that receives the tensors.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
         same_shape: Promise that every rank passes the same shape and dtype; saves the
             shape round (see :func:`all_gather`).
@@ -336,8 +333,7 @@ def broadcast(
     Args:
         data: The tensor to send (on ``src``) or to overwrite (elsewhere).
         src: Rank (within ``group``) whose tensor is sent.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns ``data``.
 
     Returns:
@@ -410,8 +406,7 @@ def reduce(
         op: ``sum``, ``mean``, ``max``, ``min``, ``product``, ``band``, ``bor`` or ``bxor``
             (any case; ``avg`` and ``prod``, torch's names, are the same as ``mean`` and
             ``product``), or a ``torch.distributed.ReduceOp``.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns ``data``.
 
     Returns:
@@ -437,7 +432,7 @@ def reduce(
     comm = resolve(group, fn)
     _args.tensor(data, "data", fn, comm)
     dst = _args.rank(dst, "dst", fn, comm)
-    rop = _args.resolve(op, fn, comm)
+    rop = _args.op_of(op, fn, comm)
     _args.check_dtype(rop, data, "data", fn, comm)
     _args.flag(async_op, "async_op", fn, comm)
     return comm.backend.reduce(comm, data, dst, rop, async_op)
@@ -489,8 +484,7 @@ def reduce_scatter(
         op: ``sum``, ``mean``, ``max``, ``min``, ``product``, ``band``, ``bor`` or ``bxor``
             (any case; ``avg`` and ``prod``, torch's names, are the same as ``mean`` and
             ``product``), or a ``torch.distributed.ReduceOp``.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the chunk.
         grad: Differentiable: the loss differentiated is the sum of every rank's loss
             (as in ``torch.distributed.nn``); the gradient of chunk ``r`` of each rank's
@@ -535,7 +529,7 @@ def reduce_scatter(
     else:
         data = _args.tensor_list(data, "data", fn, comm, same_shape=True)
         first = data[0]
-    rop = _args.resolve(op, fn, comm)
+    rop = _args.op_of(op, fn, comm)
     _args.check_dtype(rop, first, "data", fn, comm)
     _args.flag(async_op, "async_op", fn, comm)
     if _args.flag(grad, "grad", fn, comm):
@@ -592,8 +586,7 @@ def all_to_all(
 
     Args:
         data: One tensor per rank of ``group``, all of one dtype; ``data[r]`` goes to rank r.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the list.
             Without ``same_shape=True`` the call completes before it returns (its size
             round and size history must not depend on when each rank waits).
@@ -679,8 +672,7 @@ def all_to_all_single(
             (they travel beside the data, with each rank's dtype and row shape, which
             every rank checks), else an even split.
         input_split_sizes: Rows to send to each rank; ``None`` splits ``data`` evenly.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the tensor.
 
     Returns:
@@ -770,8 +762,7 @@ def scatter(
         data: On ``src``, one tensor per rank, all of one dtype; ignored elsewhere (pass
             ``None``).
         src: Rank (within ``group``) that holds the tensors.
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the tensor.
 
     Returns:
@@ -815,8 +806,7 @@ def barrier(group: GroupLike = None) -> None:
     Single process: returns at once.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
 
     Examples:
         >>> import distkit.dist as dist

@@ -64,8 +64,7 @@ def get_rank(group: GroupLike = None) -> int:
     Single process: returns 0.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
 
     Returns:
         The rank, from 0 to the group size minus one.
@@ -88,8 +87,7 @@ def get_world_size(group: GroupLike = None) -> int:
     Single process: returns 1.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
 
     Returns:
         The group size.
@@ -112,8 +110,7 @@ def get_dist_info(group: GroupLike = None) -> tuple[int, int]:
     Single process: returns ``(0, 1)``.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
 
     Returns:
         This process's rank in ``group`` and the size of ``group``.
@@ -133,8 +130,7 @@ def is_main_process(group: GroupLike = None) -> bool:
     Single process: returns True.
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
 
     Examples:
         >>> import distkit.dist as dist
@@ -178,8 +174,7 @@ def get_backend(group: GroupLike = None) -> Optional[str]:
     Single process: returns ``None`` (there is no backend).
 
     Args:
-        group: ``None`` (default group), a ``ProcessGroup``, a list of global ranks
-            or a mesh dimension (``mesh["dp"]``, ``(mesh, "dp")``).
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
 
     Examples:
         >>> import distkit.dist as dist

@@ -31,7 +31,7 @@ _Key = tuple[tuple[int, ...], str, Optional[float]]
 _groups: dict[_Key, Any] = {}
 # the groups of get_group(ranks) with the default backend and timeout, by sorted ranks:
 # what torch.compile's tracer looks up (cached_group) without creating anything
-_plain: dict[tuple[int, ...], Any] = {}
+_by_ranks: dict[tuple[int, ...], Any] = {}
 # gloo twin of a group whose backend cannot move CPU tensors (nccl, hccl, ...)
 _cpu_twins: dict[Any, Any] = {}
 # the default process group the cache was filled under, held weakly: a group distkit
@@ -43,7 +43,7 @@ def _cache_for(world: Any) -> dict[_Key, Any]:
     global _owner
     if _owner is None or _owner() is not world:
         _groups.clear()
-        _plain.clear()
+        _by_ranks.clear()
         _cpu_twins.clear()
         _owner = weakref.ref(world)
     return _groups
@@ -82,7 +82,7 @@ def cached_group(ranks: Iterable[int], world: Any) -> Any:
         return world
     if _owner is None or _owner() is not world:
         return None
-    return _plain.get(key_ranks)
+    return _by_ranks.get(key_ranks)
 
 
 def supports_cpu(config: str) -> bool:
@@ -150,7 +150,7 @@ def get_group(
         pg = td.new_group(list(key_ranks), backend=backend, timeout=timeout)
         cache[key] = pg
         if name == default_backend and seconds is None:
-            _plain[key_ranks] = pg
+            _by_ranks[key_ranks] = pg
         if isinstance(pg, ProcessGroup) and not supports_cpu(backend_config(pg)):
             # Object collectives want a CPU channel; build it now, while every rank is
             # here anyway, rather than later inside a collective that only members call.
@@ -223,7 +223,7 @@ def clear_group_cache(destroy: bool = False) -> None:
         if destroy and world is not None and isinstance(pg, ProcessGroup) and pg is not world
     ]
     _groups.clear()
-    _plain.clear()
+    _by_ranks.clear()
     _cpu_twins.clear()
     _owner = None
     del world

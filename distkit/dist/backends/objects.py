@@ -29,7 +29,7 @@ import torch.distributed as td
 from torch import Tensor
 
 from distkit._compat import all_gather_single
-from distkit.dist.backends.base import Backend, ObjectCall
+from distkit.dist.backends.base import BROADCAST_BYTES, Backend, ObjectCall
 from distkit.dist.codec import pickling as _pickling
 from distkit.dist.codec import wire as _wire
 from distkit.dist.codec.wire import Encoded
@@ -44,9 +44,6 @@ if TYPE_CHECKING:
 #: The first round's slots (see distkit.dist.core.layouts): an object whose CPU part
 #: (pickle + CPU tensors) fits in INLINE_BYTES needs no further round.
 SLOT_BYTES, SLOT_HEAD, INLINE_BYTES = layouts.SLOT_BYTES, layouts.SLOT_HEAD, layouts.INLINE_BYTES
-#: Above this size a CPU overflow moves by exact-size broadcasts rather than a padded
-#: all_gather (see BROADCAST_GATHER_BYTES in backends/tensors.py for the measurement).
-BROADCAST_BYTES = 256 * 1024
 
 INLINE, OVERFLOW, FAILED = layouts.INLINE, layouts.OVERFLOW, layouts.FAILED
 

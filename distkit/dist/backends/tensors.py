@@ -30,7 +30,7 @@ from distkit._compat import (
     reduce_scatter_single,
 )
 from distkit.dist.backends import uneven as _uneven
-from distkit.dist.backends.base import Result
+from distkit.dist.backends.base import BROADCAST_BYTES, Result
 from distkit.dist.backends.objects import TorchObjects
 from distkit.dist.codec import wire as _wire
 from distkit.dist.core import args as _args
@@ -46,10 +46,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# gloo's ring all_gather moves large tensors 3-4x slower than one broadcast per rank
-# (measured on this project's 2-core CI machine: 32 MiB x 2 ranks, 83 ms vs 22 ms), and
-# broadcasts need no padding when shapes differ. CPU backends switch above this size.
-BROADCAST_GATHER_BYTES = 256 * 1024
 
 # Shapes travel in fixed rows (see distkit.dist.core.layouts)
 INLINE_DIMS = layouts.INLINE_DIMS
@@ -59,14 +55,14 @@ HEADER = layouts.SHAPE_ROW
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _plain(t: Tensor) -> Tensor:
+def _untracked(t: Tensor) -> Tensor:
     """``t`` without autograd tracking (the same memory)."""
     return t.detach() if t.requires_grad else t
 
 
 def _stage(comm: Comm, t: Tensor) -> tuple[Tensor, bool]:
     """``t`` contiguous on the comm device, untracked; ``True`` if that took a copy."""
-    t = _plain(t)
+    t = _untracked(t)
     plain = t.is_contiguous() and not t.is_conj() and not t.is_neg()
     if plain and t.is_cpu and comm.cpu_home:  # the common gloo case, decided cheaply
         return t, False
@@ -96,7 +92,7 @@ def _write(data: Tensor, result: Tensor, fn: str, comm: Comm) -> None:
     it, and if the result holds different values there (ranks passed tensors expanded
     differently), that is an error rather than an arbitrary pick.
     """
-    target = _plain(data)
+    target = _untracked(data)
     if target.is_contiguous() or 0 not in target.stride():
         target.copy_(result)
         return
@@ -428,7 +424,7 @@ class TorchBackend(TorchObjects):
         numels = [_numel(s) for s in shapes]
         biggest = max(numels) * buf.element_size()
 
-        if dev.type == "cpu" and biggest >= BROADCAST_GATHER_BYTES:
+        if dev.type == "cpu" and biggest >= BROADCAST_BYTES:
             outs = [
                 buf.reshape(-1)
                 if r == rank

@@ -36,6 +36,7 @@ import torch.distributed as td
 from torch import Tensor
 
 from distkit._compat import all_gather_single
+from distkit.dist.backends.base import BROADCAST_BYTES
 from distkit.dist.core import layouts
 
 if TYPE_CHECKING:
@@ -50,9 +51,6 @@ ALIGN = layouts.ALIGN
 STEADY = 1.25
 #: ... or when it is at most this many bytes (padding them costs less than a round trip).
 SMALL = 64 * 1024
-#: Above this size a CPU all_gather moves each rank's bytes by one broadcast (see
-#: BROADCAST_GATHER_BYTES in backends/tensors.py for the measurement); below, one padded all_gather.
-BROADCAST_BYTES = 256 * 1024
 
 
 def _round_up(n: int) -> int:

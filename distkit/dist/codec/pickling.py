@@ -138,7 +138,8 @@ def flat(obj: dict) -> bool:
     """Whether a dict holds only atoms, keys and values: the metrics dict of a step.
 
     The single-process shortcut of ``all_gather_object`` uses this rather than
-    :func:`_plain`, which accepts the same dicts but costs about 1.5x as much on two items.
+    :func:`_trivially_picklable`, which accepts the same dicts but costs about 1.5x as
+    much on two items.
     """
     for key, value in obj.items():
         if type(key) not in ATOMS or type(value) not in ATOMS:
@@ -146,7 +147,7 @@ def flat(obj: dict) -> bool:
     return True
 
 
-def _plain(obj: Any) -> bool:
+def _trivially_picklable(obj: Any) -> bool:
     """Whether ``obj`` is small and built only of builtin containers, atoms and tensors."""
     budget = _PLAIN_BUDGET
     pending: list = []
@@ -180,7 +181,7 @@ def check(obj: Any, name: str, fn: str, comm: Comm) -> None:
     anything else is pickled into a null sink (tensor data skipped), which finds exactly
     what the encoder would fail on. Any exception raised while pickling counts.
     """
-    if type(obj) in ATOMS or (type(obj) in _CONTAINERS and _plain(obj)):
+    if type(obj) in ATOMS or (type(obj) in _CONTAINERS and _trivially_picklable(obj)):
         return
     probe = getattr(_local, "probe", None)
     if probe is None:

@@ -2,7 +2,7 @@
 
 The promises of ``serializer="safe"`` are written down once, in
 :mod:`distkit.dist.serializer`; the checks keeping them are in
-:mod:`distkit.dist.codec.safe` and :mod:`distkit.dist.codec.plain`.
+:mod:`distkit.dist.codec.safe` and :mod:`distkit.dist.codec.builders`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ ENV_OK = _settings.default("serializer") in SERIALIZERS
 
 #: Globals the safe serializer loads, by name. None of them reaches the unpickler as
 #: itself: :mod:`distkit.dist.codec.safe` checks every call's arguments first (see
-#: :mod:`distkit.dist.codec.plain`), and NumPy's own
+#: :mod:`distkit.dist.codec.builders`), and NumPy's own
 #: globals are not here at all (distkit's encoder sends arrays through its own checked
 #: constructors). ``torch.<dtype>`` names are allowed as well (see :func:`allowed`).
 _BUILTINS = "bool bytearray bytes complex dict float frozenset int list range set slice str tuple"
@@ -33,7 +33,7 @@ SAFE_GLOBALS = frozenset(
     + [("decimal", "Decimal"), ("fractions", "Fraction")]
     + [("torch", "Size"), ("torch", "device")]
     + [("distkit.dist.codec.wire", "_tensor_ref")]
-    + [("distkit.dist.codec.plain", n) for n in ("numpy_array", "numpy_scalar", "numpy_dtype")]
+    + [("distkit.dist.codec.builders", n) for n in ("numpy_array", "numpy_scalar", "numpy_dtype")]
 )
 
 
@@ -62,7 +62,7 @@ def qualified(item: Any) -> tuple[str, str]:
     raise TypeError(f"allow: give classes or 'module.Name' strings, got {type(item).__name__}")
 
 
-def resolve(serializer: Optional[str], fn: str, comm: Where) -> str:
+def serializer_of(serializer: Optional[str], fn: str, comm: Where) -> str:
     """The serializer a call uses: its own argument, else the process-wide setting."""
     chosen = _settings.get("serializer") if serializer is None else serializer
     if chosen not in SERIALIZERS:

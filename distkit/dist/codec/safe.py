@@ -12,7 +12,7 @@ How
    writes with protocol 5 pass, byte counts must fit in the payload, and the globals are
    counted.
 2. Without a global the payload is plain data: one unpickling, every global refused.
-3. Otherwise a first unpickling builds stand-ins (:class:`~distkit.dist.codec.plain.Stub`)
+3. Otherwise a first unpickling builds stand-ins (:class:`~distkit.dist.codec.builders.Stub`)
    for everything a global makes. A stand-in checks the arguments of the call that makes
    it and refuses every opcode that is not plain data for its kind (``BUILD`` on a
    tensor, ``SETITEM`` on an array, calling ``bytearray``, setting attributes of a
@@ -30,14 +30,14 @@ import pickle
 from typing import Any, Callable
 
 from distkit.dist.codec import policy
-from distkit.dist.codec.opcodes import SHALLOW, depth_bound, on_deep_stack, scan
-from distkit.dist.codec.plain import (
+from distkit.dist.codec.builders import (
     CONSTRUCTORS,
     TYPE_VALUES,
     Constructor,
     Stub,
     class_stub,
 )
+from distkit.dist.codec.opcodes import SHALLOW, depth_bound, on_deep_stack, scan
 from distkit.dist.codec.policy import Refused
 
 #: A decoded object may take at most this many bytes of memory per byte received.

@@ -19,7 +19,7 @@ accelerator's own collectives. Decoding makes no copy of tensor data: received t
 are views of the receive buffer (call ``.clone()`` to detach one from it).
 
 NumPy arrays, scalars and dtypes of plain data pickle as calls to distkit's own checked
-constructors (:func:`distkit.dist.codec.plain.numpy_array` and friends), never to NumPy's own
+constructors (:func:`distkit.dist.codec.builders.numpy_array` and friends), never to NumPy's own
 ``_reconstruct``/``scalar``/``dtype`` globals, so the safe serializer never loads those.
 
 Decoding checks the header and the blob table against the bytes received, and each tensor
@@ -42,9 +42,8 @@ from torch import Tensor
 
 from distkit import _settings
 from distkit._compat import accelerator_current_index
+from distkit.dist.codec import builders, policy
 from distkit.dist.codec import pickling as _pickling
-from distkit.dist.codec import plain as _plain
-from distkit.dist.codec import policy
 from distkit.dist.codec import safe as _safe
 from distkit.dist.codec.policy import Refused
 from distkit.dist.core import layouts
@@ -157,9 +156,9 @@ class _Encoder(pickle.Pickler):
 
 
 def _plain_dtype(dtype: Any) -> bool:
-    """A NumPy dtype of plain data (see :data:`distkit.dist.codec.plain.NUMPY_KINDS`)."""
+    """A NumPy dtype of plain data (see :data:`distkit.dist.codec.builders.NUMPY_KINDS`)."""
     return (
-        dtype.kind in _plain.NUMPY_KINDS
+        dtype.kind in builders.NUMPY_KINDS
         and dtype.fields is None
         and dtype.subdtype is None
         and not dtype.hasobject
@@ -180,19 +179,19 @@ def _reduce_array(array: Any) -> Any:
     # read-only if the array is: what NumPy's own protocol-5 reduction does. Datetimes
     # export no buffer: their bytes travel as the int64s they are.
     buffer = pickle.PickleBuffer(array.view(np.int64) if array.dtype.kind in "mM" else array)
-    return _plain.numpy_array, (array.dtype.str, array.shape, order, buffer)
+    return builders.numpy_array, (array.dtype.str, array.shape, order, buffer)
 
 
 def _reduce_scalar(scalar: Any) -> Any:
     if not _plain_dtype(scalar.dtype):
         return NotImplemented
-    return _plain.numpy_scalar, (scalar.dtype.str, scalar.tobytes())
+    return builders.numpy_scalar, (scalar.dtype.str, scalar.tobytes())
 
 
 def _reduce_dtype(dtype: Any) -> Any:
     if not _plain_dtype(dtype):
         return NotImplemented
-    return _plain.numpy_dtype, (dtype.str,)
+    return builders.numpy_dtype, (dtype.str,)
 
 
 #: The reducer of each class the encoder met (``None``: the default pickling).
@@ -389,7 +388,7 @@ class _Blobs(_safe.Tensors):
         if kind is None:
             raise Refused(f"a tensor reference names {name!r}, which is not a tensor dtype")
         dtype, itemsize, can_grad = kind
-        if type(shape) is not tuple or len(shape) > _plain.MAX_DIMS:
+        if type(shape) is not tuple or len(shape) > builders.MAX_DIMS:
             raise Refused(f"a tensor shape is a tuple of sizes, got {shape!r}")
         numel = span = 1
         for d in shape:
@@ -403,7 +402,7 @@ class _Blobs(_safe.Tensors):
             raise Refused(f"a {name} tensor of shape {shape} in blob {index} of {size} bytes")
         if type(grad) is not bool or type(param) is not bool or (grad and not can_grad):
             raise Refused(f"a {name} tensor's requires_grad ({grad!r}) or parameter flag")
-        if dev_type != "cpu" and not _plain.device_type(dev_type):
+        if dev_type != "cpu" and not builders.device_type(dev_type):
             raise Refused(f"a tensor reference names {dev_type!r}, which is not a device type")
         self.used.add(index)
         return _Ref(index, dtype, shape, grad, param, dev_type)
@@ -455,8 +454,8 @@ class _Decoder(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == "_tensor_ref":
             return self._tensors
-        if module == "distkit.dist.codec.plain" and name in _plain.BUILDERS:
-            return _plain.BUILDERS[name]  # pickle trusts its peers: no checks to repeat
+        if module == "distkit.dist.codec.builders" and name in builders.BUILDERS:
+            return builders.BUILDERS[name]  # pickle trusts its peers: no checks to repeat
         return super().find_class(module, name)
 
 

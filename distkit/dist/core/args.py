@@ -361,7 +361,7 @@ if getattr(ReduceOp, "AVG", None) is not None:
 _TORCH_OPS = (ReduceOp, type(ReduceOp.SUM))
 
 
-def resolve(value: Any, fn: str, comm: Where) -> Op:
+def op_of(value: Any, fn: str, comm: Where) -> Op:
     """Resolve an op name (any case) or a torch ``ReduceOp`` to an :class:`Op`."""
     if isinstance(value, str):
         found = OPS.get(value) or OPS.get(value.lower())

@@ -489,14 +489,19 @@ CONSTRUCTORS: dict[tuple[str, str], tuple[Any, Callable[..., None], Any, str]] =
     ),
     ("collections", "deque"): (collections.deque, _check_deque, collections.deque, "APPEND"),
     # checked on the first unpickling: the second builds without checking again
-    ("distkit.dist.codec.plain", "numpy_array"): (_build_array, _check_numpy_array, "ndarray", ""),
-    ("distkit.dist.codec.plain", "numpy_scalar"): (
+    ("distkit.dist.codec.builders", "numpy_array"): (
+        _build_array,
+        _check_numpy_array,
+        "ndarray",
+        "",
+    ),
+    ("distkit.dist.codec.builders", "numpy_scalar"): (
         _build_scalar,
         _check_numpy_scalar,
         "scalar",
         "",
     ),
-    ("distkit.dist.codec.plain", "numpy_dtype"): (numpy_dtype, _check_numpy_dtype, "dtype", ""),
+    ("distkit.dist.codec.builders", "numpy_dtype"): (numpy_dtype, _check_numpy_dtype, "dtype", ""),
 }
 
 
