@@ -14,4 +14,8 @@ train = dict(
     momentum=0.9,
     weight_decay=1e-4,
     step_delay=0.0,  # seconds to sleep per step (tests use it to stop a run mid-epoch)
+    # a straggler, to see one in a profile (distkit launch --profile trace.json ...):
+    # rank slow_rank sleeps slow_seconds before each of its validation batches
+    slow_rank=None,
+    slow_seconds=0.0,
 )

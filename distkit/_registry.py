@@ -88,8 +88,16 @@ _UNDECIDED = _Undecided()
 _TRAP = _Trap()
 
 
+#: While a profile is open (:mod:`distkit.dist.profiling`), the collectives' cells hold the
+#: trap even without a launcher, so that every call takes the checked path, where the
+#: single-process backend records it (the trap raises only when :data:`alone` says so).
+diverted = False
+
+
 def guard() -> Any:
     """What the collectives' cells hold now (:data:`current` once nothing is trapped)."""
+    if diverted:
+        return _TRAP
     if alone is None:
         return _UNDECIDED
     return _TRAP if alone else current
@@ -128,6 +136,13 @@ def forget_alone() -> None:
     """Forget the decision (tests), so that the next collective decides again."""
     global alone
     alone = None
+    _retarget()
+
+
+def divert(on: bool) -> None:
+    """Send every collective through the checked path (``on``), or stop (see :data:`diverted`)."""
+    global diverted
+    diverted = on
     _retarget()
 
 

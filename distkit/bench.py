@@ -383,6 +383,27 @@ def _debug_cases(rank: int, size: int, quick: bool) -> list[tuple]:
     for label, call in calls[:2]:
         case = Case(f"default check: {label}", "check", "(information)", "check", 0.0)
         rows.append((case, {"distkit": call, "check off": unchecked(call)}, None))
+    # the communication profile (dist.profile): what recording costs each call while one
+    # is open (the recorder is what an open profile installs; opening one synchronizes)
+    from distkit.dist.guard import record
+
+    recorder = record.Recorder(None)
+
+    def profiled(call: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            record.active = recorder
+            try:
+                return call()
+            finally:
+                record.active = None
+                if len(recorder.entries) > 10_000:
+                    recorder.entries.clear()
+
+        return run
+
+    for label, call in calls:
+        case = Case(f"profile: {label}", "profile", "(information)", "profile", 0.0)
+        rows.append((case, {"distkit": profiled(call), "not profiled": call}, None))
     return rows
 
 
@@ -579,7 +600,7 @@ def verdict(row: dict) -> tuple[dict, str]:
     sec, case = row["seconds"], row["case"]
     ours = sec["distkit"]
     ratios = {name: t / ours for name, t in sec.items() if name != "distkit"}
-    if case["check"] in ("info", "debug", "check"):
+    if case["check"] in ("info", "debug", "check", "profile"):
         return ratios, "-"
     if case["check"] == "vs":
         if not ratios:  # no peer ran here (see the row's missing reasons)
@@ -600,7 +621,8 @@ def tables(rows: list[dict], noop: list[dict], world: int) -> list[Table]:
     out: list[Table] = []
     debug = [r for r in rows if r["case"]["check"] == "debug"]
     checked = [r for r in rows if r["case"]["check"] == "check"]
-    rows = [r for r in rows if r["case"]["check"] not in ("debug", "check")]
+    profiled = [r for r in rows if r["case"]["check"] == "profile"]
+    rows = [r for r in rows if r["case"]["check"] not in ("debug", "check", "profile")]
     if checked:
         cells = []
         for row in checked:
@@ -611,6 +633,19 @@ def tables(rows: list[dict], noop: list[dict], world: int) -> list[Table]:
             (
                 "the default check (DISTKIT_CHECK=0 turns it off): a loop of calls",
                 ["call (default check)", "check off", "check on (default)", "on / off"],
+                cells,
+            )
+        )
+    if profiled:
+        cells = []
+        for row in profiled:
+            off, on = row["seconds"]["not profiled"], row["seconds"]["distkit"]
+            name = row["case"]["name"].replace("profile: ", "")
+            cells.append([name, _fmt_s(off), _fmt_s(on), f"{on / off:.3f}x"])
+        out.append(
+            (
+                "the communication profile (dist.profile): a loop of calls",
+                ["call (profile)", "not profiled", "profiled", "profiled / not"],
                 cells,
             )
         )
@@ -710,6 +745,7 @@ _LEFT = {
     "case",
     "call (debug mode)",
     "call (default check)",
+    "call (profile)",
     "call (no process group)",
     "target",
     "met",

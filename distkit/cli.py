@@ -189,7 +189,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         description=LAUNCH_HELP,
         epilog=LAUNCH_EPILOG,
         formatter_class=raw,
-        usage="distkit launch [-n N] [--timeout SECONDS] (script.py | -m module) [args ...]",
+        usage="distkit launch [-n N] [--timeout SECONDS] [--profile PATH] "
+        "(script.py | -m module) [args ...]",
     )
     launch.add_argument("-n", "--nprocs", type=int, default=2, help="number of ranks (2)")
     launch.add_argument(
@@ -198,6 +199,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         default=None,
         metavar="SECONDS",
         help="stop the run as hung after this long, showing each rank's stack (no limit)",
+    )
+    launch.add_argument(
+        "--profile",
+        default=None,
+        metavar="PATH",
+        help="profile the collectives of every rank from init_dist to destroy_dist: print "
+        "where ranks waited for each other and write a Chrome trace to PATH",
     )
     launch.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m")
     launch.add_argument("target", nargs="?", help="the script (or the module, with -m)")
@@ -235,6 +243,8 @@ def _main(argv: list[str]) -> int:
         launch.error("give the script to run (or -m and a module)")
     if args.nprocs < 1:
         launch.error("-n must be at least 1")
+    if args.profile is not None:  # every rank inherits it (see distkit.dist.profiling)
+        os.environ["DISTKIT_PROFILE"] = os.path.abspath(args.profile)
     from distkit.local.script import run_script
 
     return run_script(args.target, args.args, args.nprocs, args.timeout, module=args.module)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -86,6 +87,7 @@ def evaluate(
     batch_size: int,
     shuffle: bool = False,
     stream_to: str | None = None,
+    delay: float = 0.0,
 ) -> dict | None:
     """Evaluate on every rank's shard; the main process gets the exact dataset's metrics.
 
@@ -95,12 +97,15 @@ def evaluate(
     shards: passing it as ``sampler=`` is what puts the results back in dataset order
     (without it they would come back shuffled). With ``stream_to``, the results stream
     to the main process through ``iter_results`` (a few MiB at a time, never all at
-    once) and each prediction is written to that file as a JSON line.
+    once) and each prediction is written to that file as a JSON line. ``delay``: seconds
+    to sleep before each batch (a straggler, for a profile to find).
     """
     model.eval()
     results = []
     batches = loader(dataset, batch_size, shuffle=shuffle, seed=0)
     for x, y, index in batches:
+        if delay:
+            time.sleep(delay)
         pred = model(x).argmax(dim=1)
         results += [(int(i), int(p), int(t)) for i, p, t in zip(index, pred, y)]
     model.train()

@@ -98,7 +98,9 @@ def train(cfg: Any, work_dir: str, resume: bool) -> list[dict]:
             if cfg.train.step_delay:
                 time.sleep(cfg.train.step_delay)
         totals = dist.all_reduce_dict({"loss_sum": loss_sum, "count": count})
-        val = evaluate(model, val_set, batch_size=256)
+        slow = cfg.train.get("slow_rank") == dist.get_rank()
+        delay = cfg.train.get("slow_seconds", 0.0) if slow else 0.0
+        val = evaluate(model, val_set, batch_size=256, delay=delay)
         if dist.is_main_process():
             history.append(
                 {

@@ -28,7 +28,7 @@ LAYERS = [
     | {"distkit.dist.codec.policy", "distkit.dist.codec.safe", "distkit.dist.codec.builders"}
     | {"distkit.dist.codec.opcodes", "distkit.dist.guard", "distkit.dist.guard.watch"}
     | {"distkit.dist.guard.debugmode", "distkit.dist.guard.check", "distkit.dist.guard.board"}
-    | {"distkit.dist.guard.watchdog", "distkit.dist.guard.diagnose"},
+    | {"distkit.dist.guard.watchdog", "distkit.dist.guard.diagnose", "distkit.dist.guard.record"},
     # 3: the backends
     {"distkit.dist.backends", "distkit.dist.backends.base", "distkit.dist.backends.single"}
     | {"distkit.dist.backends.tensors", "distkit.dist.backends.objects"}
@@ -48,6 +48,7 @@ LAYERS = [
         "distkit.dist.evaluation",
         "distkit.dist.debug",
         "distkit.dist.serializer",
+        "distkit.dist.profiling",
     },
     # mmengine's import paths (distkit.dist.dist, distkit.dist.utils): re-exports only
     {"distkit.dist.dist", "distkit.dist.utils"},

@@ -27,6 +27,9 @@ from distkit.dist.objects import broadcast_object as broadcast_object
 from distkit.dist.objects import broadcast_object_list as broadcast_object_list
 from distkit.dist.objects import gather_object as gather_object
 from distkit.dist.objects import scatter_object_list as scatter_object_list
+from distkit.dist.profiling import Profile as Profile
+from distkit.dist.profiling import ProfileRow as ProfileRow
+from distkit.dist.profiling import profile as profile
 from distkit.dist.serializer import get_serializer as get_serializer
 from distkit.dist.serializer import set_serializer as set_serializer
 from distkit.dist.tensor import all_gather as all_gather

@@ -19,6 +19,7 @@ from distkit.dist.codec import wire as _wire
 from distkit.dist.core import args as _args
 from distkit.dist.core import layouts
 from distkit.dist.core.comm import Comm, GroupLike
+from distkit.dist.guard import record as _record
 from distkit.utils.console import track
 
 ORDERS = ("interleaved", "contiguous")
@@ -293,25 +294,26 @@ def collect_results(
     """
     fn = "collect_results"
     comm = resolve(group, fn)
-    indices = _check(fn, comm, results, size, order, indices, sampler)
-    if dst is not None:
-        dst = _args.rank(dst, "dst", fn, comm)
-    call = ObjectCall(fn, None, policy.serializer_of(serializer, fn, comm))
-    collected = _Collected(comm, call, dst, results, indices)
-    steps: Iterable[int] = range(1, collected.step(0))  # the first round tells the rest
-    if comm.rank == (dst or 0):
-        steps = track(steps, "collect_results", delay=1.0, main_only=False)
-    for step in steps:
-        collected.step(step)
-    if not collected.receiver:
-        return None
-    mixed = [r for r, p in enumerate(collected.passed) if p != (indices is not None)]
-    if mixed:
-        who = f"dst (rank {comm.rank})" if dst is not None else f"rank {comm.rank}"
-        raise _mixed(fn, comm, mixed[0], who)
-    if indices is not None:
-        return _by_index(collected.parts, collected.index_parts, size, fn, comm)
-    return _ordered(collected.parts, size, order, fn, comm)
+    with _record.collector(fn):  # one call in a profile, its rounds inside
+        indices = _check(fn, comm, results, size, order, indices, sampler)
+        if dst is not None:
+            dst = _args.rank(dst, "dst", fn, comm)
+        call = ObjectCall(fn, None, policy.serializer_of(serializer, fn, comm))
+        collected = _Collected(comm, call, dst, results, indices)
+        steps: Iterable[int] = range(1, collected.step(0))  # the first round tells the rest
+        if comm.rank == (dst or 0):
+            steps = track(steps, "collect_results", delay=1.0, main_only=False)
+        for step in steps:
+            collected.step(step)
+        if not collected.receiver:
+            return None
+        mixed = [r for r, p in enumerate(collected.passed) if p != (indices is not None)]
+        if mixed:
+            who = f"dst (rank {comm.rank})" if dst is not None else f"rank {comm.rank}"
+            raise _mixed(fn, comm, mixed[0], who)
+        if indices is not None:
+            return _by_index(collected.parts, collected.index_parts, size, fn, comm)
+        return _ordered(collected.parts, size, order, fn, comm)
 
 
 def _window(results: Sequence, start: int, stop: int) -> Sequence:
@@ -658,30 +660,30 @@ def iter_results(
     """
     fn = "iter_results"
     comm = resolve(group, fn)
-    indices = _check(fn, comm, results, size, order, indices, sampler)
-    dst = _args.rank(dst, "dst", fn, comm)
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        _args.fail(
-            TypeError,
-            fn,
-            comm,
-            f"chunk_bytes must be a positive int, got {_args.show(chunk_bytes)}",
-        )
-    call = ObjectCall(fn, None, policy.serializer_of(serializer, fn, comm))
-    if comm.alone:
-        plan, error, _ = _plan(fn, comm, results, size, indices, 0, "")
-        if error is not None:
-            raise error
-        ranks, positions = _layout(
-            [len(results)], None if plan.indices is None else [plan.indices], size, order, fn, comm
-        )
-        return _alone(results, ranks, positions)
-    seq = comm.enter(fn)  # the stream's call number on the group (hang reports)
-    try:
-        opened = _stream.Opened(comm, fn, seq, dst)
-        return _open(opened, results, size, order, indices, chunk_bytes, call)
-    finally:
-        comm.leave()
+    with _record.collector(fn):  # one call in a profile, its rounds inside
+        indices = _check(fn, comm, results, size, order, indices, sampler)
+        dst = _args.rank(dst, "dst", fn, comm)
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            _args.fail(
+                TypeError,
+                fn,
+                comm,
+                f"chunk_bytes must be a positive int, got {_args.show(chunk_bytes)}",
+            )
+        call = ObjectCall(fn, None, policy.serializer_of(serializer, fn, comm))
+        if comm.alone:
+            plan, error, _ = _plan(fn, comm, results, size, indices, 0, "")
+            if error is not None:
+                raise error
+            own = None if plan.indices is None else [plan.indices]
+            ranks, positions = _layout([len(results)], own, size, order, fn, comm)
+            return _alone(results, ranks, positions)
+        seq = comm.enter(fn)  # the stream's call number on the group (hang reports)
+        try:
+            opened = _stream.Opened(comm, fn, seq, dst)
+            return _open(opened, results, size, order, indices, chunk_bytes, call)
+        finally:
+            comm.leave()
 
 
 def _plan(

@@ -16,6 +16,7 @@ from distkit.dist._route import resolve
 from distkit.dist.core import args as _args
 from distkit.dist.core.args import OpLike
 from distkit.dist.core.comm import Comm, GroupLike
+from distkit.dist.guard import record as _record
 from distkit.dist.objects import all_gather_object
 from distkit.dist.tensor import all_reduce, broadcast
 
@@ -189,11 +190,12 @@ def all_reduce_dict(
     for k in keys:
         _args.tensor(data[k], f"data[{k!r}]", fn, comm)
         _args.check_dtype(rop, data[k], f"data[{k!r}]", fn, comm)
-    if comm.alone:
-        return data
-    _same_layout(data, keys, comm, fn)
-    if keys:
-        _reduce_coalesced([data[k] for k in keys], rop.name, comm.pg, -1)
+    with _record.collector(fn, data.values()):  # one call in a profile
+        if comm.alone:
+            return data
+        _same_layout(data, keys, comm, fn)
+        if keys:
+            _reduce_coalesced([data[k] for k in keys], rop.name, comm.pg, -1)
     return data
 
 
@@ -249,15 +251,16 @@ def all_reduce_params(
     for i, t in enumerate(tensors):
         _args.tensor(t, f"params[{i}]", fn, comm)
         _args.check_dtype(rop, t, f"params[{i}]", fn, comm)
-    if comm.alone:
-        return tensors
-    data = [t.data for t in tensors]
-    if coalesce:
-        bucket_bytes = int(bucket_size_mb * 1024 * 1024) if bucket_size_mb > 0 else -1
-        _reduce_coalesced(data, rop.name, group, bucket_bytes)
-    else:
-        for t in data:
-            all_reduce(t, rop.name, group)
+    with _record.collector(fn, tensors):  # one call in a profile
+        if comm.alone:
+            return tensors
+        data = [t.data for t in tensors]
+        if coalesce:
+            bucket_bytes = int(bucket_size_mb * 1024 * 1024) if bucket_size_mb > 0 else -1
+            _reduce_coalesced(data, rop.name, group, bucket_bytes)
+        else:
+            for t in data:
+                all_reduce(t, rop.name, group)
     return tensors
 
 
@@ -294,7 +297,8 @@ def sync_random_seed(group: GroupLike = None) -> int:
     """
     comm = resolve(group, "sync_random_seed")
     seed = _draw_seed()
-    if comm.alone:
-        return seed
-    t = torch.tensor([seed], dtype=torch.int64)
-    return int(broadcast(t, 0, group).item())
+    with _record.collector("sync_random_seed"):  # one call in a profile
+        if comm.alone:
+            return seed
+        t = torch.tensor([seed], dtype=torch.int64)
+        return int(broadcast(t, 0, group).item())

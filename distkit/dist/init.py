@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -125,6 +126,7 @@ def init_dist(
         launcher = environ.detect_launcher()[0]
     if launcher == "none":
         _registry.allow_alone()  # said in so many words: a world of one rank is meant
+        _profile_run()
         return 0, 1
     env = environ.launcher_env(launcher, port=kwargs.pop("port", None))
     os.environ.update(env)
@@ -146,6 +148,7 @@ def init_dist(
     options.update(kwargs)
     td.init_process_group(**options)
     _watch_world()
+    _profile_run()
     return rank, world
 
 
@@ -162,6 +165,14 @@ def _watch_world() -> None:
         _watchdog.ensure(_comm._FACTS)
 
 
+def _profile_run() -> None:
+    """Open the whole run's profile when ``DISTKIT_PROFILE`` asks for one."""
+    if os.environ.get("DISTKIT_PROFILE"):
+        from distkit.dist import profiling
+
+        profiling.start_run()
+
+
 def destroy_dist() -> None:
     """Destroy the default process group and forget every cached group.
 
@@ -172,6 +183,8 @@ def destroy_dist() -> None:
         >>> import distkit.dist as dist
         >>> dist.destroy_dist()
     """
+    if "distkit.dist.profiling" in sys.modules:  # DISTKIT_PROFILE: merged, then printed
+        sys.modules["distkit.dist.profiling"].end_run()
     clear_group_cache()
     forget_local_group()
     if _registry.current._default_pg is not None:

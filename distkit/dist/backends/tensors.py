@@ -14,6 +14,7 @@ The object collectives are the other half of this backend, in
 from __future__ import annotations
 
 import sys
+import time
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, TypeVar, Union
 
@@ -37,9 +38,11 @@ from distkit.dist.core import args as _args
 from distkit.dist.core import layouts
 from distkit.dist.core.args import fail, mean_of
 from distkit.dist.core.comm import _FACTS, Comm
+from distkit.dist.guard import record as _record
 from distkit.dist.guard.check import peek
 from distkit.dist.guard.watch import _local, _on_error, watched
 from distkit.dist.handle import Handle
+from distkit.utils.groups import group_ranks
 
 if TYPE_CHECKING:
     from distkit.dist.core.args import Op
@@ -355,6 +358,8 @@ def _all_reduce_lane(data: Any, pg: Any) -> Optional[Tensor]:
         and peek(facts, seq, sys._getframe(1))
     ):
         return None  # the default check is due: the checked path runs it
+    recorder = _record.active  # a profile is open (see distkit.dist.profiling)
+    entered = time.time() if recorder is not None else 0.0
     # Comm.enter, inlined: this thread holds the group, and the call gets its number
     facts.thread = me
     facts.seq = seq
@@ -374,6 +379,10 @@ def _all_reduce_lane(data: Any, pg: Any) -> Optional[Tensor]:
     finally:
         facts.call = None
         facts.thread = 0
+    if recorder is not None:
+        if facts.ranks is None:
+            facts.ranks = group_ranks(pg)
+        recorder.add(facts.gid, facts.ranks, seq, _NAME, (data,), sys._getframe(1), entered)
     return data
 
 

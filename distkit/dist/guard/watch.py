@@ -14,6 +14,7 @@ import functools
 import inspect
 import sys
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
@@ -21,6 +22,7 @@ from distkit import _settings
 from distkit.dist import errors
 from distkit.dist.guard import check as _check
 from distkit.dist.guard import debugmode, diagnose
+from distkit.dist.guard import record as _record
 from distkit.dist.guard import watchdog as _watchdog
 from distkit.dist.handle import Handle
 
@@ -102,6 +104,8 @@ def watched(method: F) -> F:
         if getattr(_local, "depth", 0):  # inside another collective: checked there
             return method(self, comm, *args)
         public = args[call_at].fn if call_at >= 0 else name
+        recorder = _record.active  # a profile is open (see distkit.dist.profiling)
+        entered = time.time() if recorder is not None else 0.0
         seq = comm.enter(public)
         facts = comm._facts
         call = (public, name, params, args)
@@ -146,6 +150,9 @@ def watched(method: F) -> F:
                 if facts.failed is not None and facts.failed[0] == seq:
                     facts.failed = None  # the call ended after all: nothing to raise
             comm.leave()
+        if recorder is not None and facts is not None:
+            ranks = comm.global_ranks()
+            recorder.add(facts.gid, ranks, seq, public, args, sys._getframe(1), entered)
         return result
 
     return run  # type: ignore[return-value]

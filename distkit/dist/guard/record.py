@@ -1,0 +1,113 @@
+"""What a communication profile records: one entry per collective call, locally.
+
+While a profile is open (:mod:`distkit.dist.profiling`), :data:`active` is its recorder, and
+every collective adds an entry when it ends: the group, the call's number on it, the
+public name, the user's call site, the bytes of its tensors, and the wall-clock times it
+was entered and left. Nothing is sent while recording; the ranks merge their entries when
+the profile closes. When no profile is open, a collective pays one module-attribute read.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any, NamedTuple, Optional
+
+from torch import Tensor
+
+from distkit.dist.guard.check import site_key
+
+
+class Entry(NamedTuple):
+    """One collective call, as this rank saw it."""
+
+    gid: str  # the group's name ("" without a process group)
+    ranks: Any  # its global ranks (a sequence; tuples once merged)
+    seq: int  # the call's number on the group (0 without a process group)
+    op: str  # the public name
+    file: str  # the user's call site
+    line: int
+    nbytes: int  # bytes of the tensors this rank passed
+    enter: float  # wall-clock seconds (time.time) when it was called ...
+    leave: float  # ... and when it returned
+
+
+class Recorder:
+    """The entries of one open profile."""
+
+    def __init__(self, group: Optional[tuple[int, ...]]) -> None:
+        self.group = group  # the profile's group (global ranks), None: every group
+        self.entries: list[Entry] = []
+        #: While a collector runs (see :func:`collector`): the first inner call's
+        #: (group, ranks, number), which names the collector's call, or ``None``.
+        self.inner: Optional[list[Any]] = None
+
+    def add(
+        self,
+        gid: str,
+        ranks: Any,
+        seq: int,
+        op: str,
+        args: Any,
+        frame: Optional[FrameType],
+        enter: float,
+    ) -> None:
+        """Record a call that ended now (``frame``: a frame below the user's call)."""
+        if self.inner is not None:  # part of a collector's call: recorded as that
+            if not self.inner:
+                self.inner.append((gid, ranks, seq))
+            return
+        file, line = site_key(frame)
+        self.entries.append(
+            Entry(gid, ranks, seq, op, file, line, nbytes(args), enter, time.time())
+        )
+
+
+#: The open profile's recorder, or ``None``
+active: Optional[Recorder] = None
+
+
+@contextmanager
+def collector(op: str, tensors: Any = ()) -> Iterator[None]:
+    """Record the collectives inside the block as one call of ``op`` (the evaluation
+    collectors and the helpers: their rounds are one call to the user), numbered as its
+    first inner call (the same on every rank), with the bytes of ``tensors``. Costs a
+    generator while no profile is open."""
+    recorder = active
+    if recorder is None or recorder.inner is not None:
+        yield
+        return
+    frame = sys._getframe(2)  # above contextlib's frame: the collector's caller, or below
+    recorder.inner = []
+    entered = time.time()
+    try:
+        yield
+    finally:
+        inner, recorder.inner = recorder.inner, None
+        gid, ranks, seq = inner[0] if inner else ("", (), 0)
+        file, line = site_key(frame)
+        recorder.entries.append(
+            Entry(gid, ranks, seq, op, file, line, nbytes(tensors), entered, time.time())
+        )
+
+
+def nbytes(args: Any) -> int:
+    """Bytes of the tensors among a call's arguments (tensors in lists counted too)."""
+    total = 0
+    for value in list(args):
+        if isinstance(value, Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, (list, tuple)):
+            total += sum(v.numel() * v.element_size() for v in value if isinstance(v, Tensor))
+    return total
+
+
+def caller(depth: int) -> Optional[FrameType]:
+    """The frame ``depth`` levels above the caller (a call site is found above it)."""
+    try:
+        return sys._getframe(depth + 1)
+    except ValueError:
+        return None

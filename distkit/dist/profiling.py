@@ -1,0 +1,352 @@
+"""Who makes everyone wait, and where: a communication profile that blames a rank and a line.
+
+``with dist.profile() as prof:`` records every distkit collective of every rank inside
+the block (tensor and object collectives, the evaluation collectors), locally: the
+collective, the user's call site, the group, the bytes, and when the rank entered and
+left it. Nothing is sent per call. When the block ends normally, one collective merges
+the records, and every rank holds the same :attr:`Profile.rows`: per collective and call
+site, how many calls, how many bytes, how long they took, and how late each rank arrived
+at them, summed (``late``): the rank that makes everyone wait, and the line where it does.
+
+Arrival times are compared on one clock: when the block starts, each rank's offset from
+the first rank of the group is estimated (a barrier, then each rank's clock, three times),
+so ranks on different hosts are compared fairly. ``trace=PATH`` writes a Chrome trace
+(JSON; open it in Perfetto or chrome://tracing): a track per rank, a slice per call.
+
+``DISTKIT_PROFILE=PATH`` profiles a whole run, from :func:`~distkit.dist.init_dist` to
+:func:`~distkit.dist.destroy_dist` (which merges the records, prints the table on the main
+process, to stderr, and writes the trace to ``PATH``); ``distkit launch --profile PATH``
+sets it for every rank. A run that ends without ``destroy_dist`` is not merged (some ranks
+may be gone): each rank writes its own trace to ``PATH.rank<N>`` instead. While the run's
+profile is open, ``dist.profile()`` raises (profiles do not nest).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, NamedTuple, Optional
+
+from distkit import _registry
+from distkit.dist import _route
+from distkit.dist.backends.single import SINGLE
+from distkit.dist.core import spec
+from distkit.dist.core.comm import GroupLike
+from distkit.dist.guard import record as _record
+
+
+class ProfileRow(NamedTuple):
+    """One collective at one call site, over every call of it in the profile."""
+
+    op: str  #: the collective (its public name)
+    site: str  #: the call site, ``file:line``
+    calls: int  #: how many times it was called there
+    bytes: int  #: the bytes of the tensors one rank passed, over those calls
+    seconds: float  #: the time spent inside those calls, averaged over ranks
+    late: dict[int, float]  #: by global rank: seconds it arrived after the first rank
+
+
+class Profile:
+    """An open (then closed) communication profile; see :func:`profile`."""
+
+    def __init__(self, trace: Optional[str], group: GroupLike) -> None:
+        self.trace = trace
+        self.group = group
+        #: Per (collective, call site), on every rank alike, once the block ended
+        #: normally (``None`` before, or when it ended with an exception).
+        self.rows: Optional[list[ProfileRow]] = None
+        #: What this rank recorded (kept however the block ends).
+        self.records: list[_record.Entry] = []
+        self.offsets: dict[int, float] = {}  # by global rank: its clock minus the first's
+        self._recorder: Optional[_record.Recorder] = None
+        self._comm: Any = None
+
+    # -- the block ----------------------------------------------------------------------
+
+    def __enter__(self) -> Profile:
+        if _record.active is not None:
+            raise RuntimeError(
+                "profile: a profile is open already on this rank; close it before opening "
+                "another (profiles do not nest)"
+            )
+        comm = _route.resolve(self.group, "profile")
+        self._comm = comm
+        self.offsets = _offsets(comm)
+        recorder = _record.Recorder(tuple(comm.global_ranks()))
+        self._recorder = recorder
+        _record.active = recorder
+        _watch_single(True)
+        return self
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        recorder, self._recorder = self._recorder, None
+        _record.active = None
+        _watch_single(False)
+        if recorder is None:
+            return
+        self.records = [e._replace(ranks=tuple(e.ranks)) for e in recorder.entries]
+        if kind is not None:  # the other ranks may not be here: no merging collective
+            return
+        comm = self._comm
+        mine = [(e, comm.global_ranks()[comm.rank]) for e in self.records]
+        if comm.alone:
+            every = [mine]
+        else:
+            from distkit.dist.objects import all_gather_object
+
+            every = all_gather_object([(tuple(e), r) for e, r in mine], comm.pg)
+        entries = [(r, _record.Entry(*e)) for part in every for e, r in part]
+        self.rows = _rows(entries, self.offsets)
+        if self.trace is not None and comm.rank == 0:
+            _write_trace(self.trace, entries, self.offsets)
+
+    # -- what it found ------------------------------------------------------------------
+
+    def print(self, file: Any = None, top: int = 20) -> None:
+        """Print the rows where ranks waited most (and who was late there) as a rich table,
+        on the group's first rank only (the main process, for the default group)."""
+        if self.rows is None or self._comm is None or self._comm.rank != 0:
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="distkit profile: where ranks waited for each other")
+        for col, justify in (
+            ("collective", "left"),
+            ("call site", "left"),
+            ("calls", "right"),
+            ("bytes", "right"),
+            ("seconds", "right"),
+            ("late (rank: seconds)", "left"),
+        ):
+            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        for row in sorted(self.rows, key=lambda r: (-sum(r.late.values()), -r.seconds))[:top]:
+            worst = sorted(row.late.items(), key=lambda kv: -kv[1])[:3]
+            late = ", ".join(f"{r}: {s:.3f}" for r, s in worst if s > 0) or "nobody"
+            table.add_row(
+                row.op, row.site, str(row.calls), _size(row.bytes), f"{row.seconds:.3f}", late
+            )
+        Console(file=file or sys.stdout, width=140).print(table)
+
+
+def profile(trace: Optional[str] = None, group: GroupLike = None) -> Profile:
+    """Record every distkit collective inside the block; find who makes the others wait.
+
+    Collective: every rank of ``group`` must enter the block and, when it ends normally,
+    leave it (the records are merged in one collective then).
+    Single process: records as well; every row's ``late`` is ``{0: 0.0}``.
+
+    Recording is local (no communication per call) and costs a few microseconds per call;
+    outside a profile nothing is recorded. When the block ends with an exception, nothing
+    is merged (the other ranks may not be there): :attr:`Profile.rows` stays ``None`` and
+    :attr:`Profile.records` holds what this rank recorded. Calls on sub-groups and mesh
+    dimensions are attributed to their own group's ranks. Collectives traced by
+    ``torch.compile`` run without Python and are not recorded.
+
+    Args:
+        trace: Where the main process writes a Chrome trace (JSON: a track per rank, a
+            slice per call, named by collective and call site), or ``None``.
+        group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
+
+    Returns:
+        A :class:`Profile`, the context manager; after the block, its :attr:`~Profile.rows`
+        (a list of :class:`ProfileRow`) and :meth:`~Profile.print`.
+
+    Raises:
+        RuntimeError: A profile is open already on this rank.
+
+    Examples:
+        >>> import torch
+        >>> import distkit.dist as dist
+        >>> with dist.profile() as prof:
+        ...     _ = dist.all_reduce(torch.ones(4), op="max")
+        >>> [(row.op, row.calls, row.bytes, row.late) for row in prof.rows]
+        [('all_reduce', 1, 16, {0: 0.0})]
+
+        With 2 ranks, where rank 1 is slow before its calls::
+
+            with dist.profile(trace="trace.json") as prof:
+                train_one_epoch()
+            prof.print()  # the table, on the main process
+            # prof.rows on every rank: ProfileRow('all_reduce', 'train.py:23', 100, ...,
+            #                                     late={0: 0.0, 1: 0.503})
+    """
+    return Profile(trace, group)
+
+
+# -- while a profile is open ---------------------------------------------------------------
+
+
+def _watch_single(on: bool) -> None:
+    """Record the single-process backend's calls while a profile is open: its methods are
+    wrapped then, and the collectives' shortcuts send every call to the checked path (so
+    outside a profile neither costs anything)."""
+    if on:
+        for method in spec.SPECS:
+            setattr(SINGLE, method, _recorded(getattr(SINGLE, method), method))
+    else:
+        for method in spec.SPECS:
+            SINGLE.__dict__.pop(method, None)
+    _registry.divert(on)
+
+
+def _recorded(method: Any, name: str) -> Any:
+    def run(comm: Any, *args: Any) -> Any:
+        entered = time.time()
+        result = method(comm, *args)
+        recorder = _record.active
+        if recorder is not None:
+            call = next((a for a in args if hasattr(a, "serializer")), None)
+            public = call.fn if call is not None else name
+            recorder.add("", (0,), 0, public, args, sys._getframe(1), entered)
+        return result
+
+    return run
+
+
+def _offsets(comm: Any) -> dict[int, float]:
+    """Each global rank's clock minus the group's first rank's (three estimates, after a
+    barrier each, the median kept)."""
+    ranks = comm.global_ranks()
+    if comm.alone:
+        return {ranks[0]: 0.0}
+    from distkit.dist.objects import all_gather_object
+    from distkit.dist.tensor import barrier
+
+    rounds = []
+    for _ in range(3):
+        barrier(comm.pg)
+        rounds.append(all_gather_object(time.time(), comm.pg))
+    return {
+        r: statistics.median(clocks[i] - clocks[0] for clocks in rounds)
+        for i, r in enumerate(ranks)
+    }
+
+
+# -- merging ---------------------------------------------------------------------------------
+
+
+def _site(file: str, line: int) -> str:
+    if not file:
+        return "<unknown>"
+    shown = os.path.relpath(file) if os.path.isabs(file) else file
+    return f"{file if shown.startswith('..') else shown}:{line}"
+
+
+def _rows(entries: list[tuple[int, _record.Entry]], offsets: dict[int, float]) -> list[ProfileRow]:
+    """Every rank's records, as rows (the same on every rank: a function of the records)."""
+    calls: dict[tuple, list[tuple[int, _record.Entry]]] = {}
+    for rank, e in entries:
+        # a call of a group is one key on every rank of it; a single process's, its own
+        key = (e.gid, e.ranks, e.seq) if e.gid else ("", (rank,), id(e))
+        calls.setdefault(key, []).append((rank, e))
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for (_, ranks, _), got in sorted(calls.items(), key=lambda kv: min(e.enter for _, e in kv[1])):
+        got.sort(key=lambda pair: pair[0])
+        first = got[0][1]
+        where = (first.op, _site(first.file, first.line))
+        row = rows.setdefault(
+            where, {"calls": 0, "bytes": 0, "seconds": 0.0, "late": {r: 0.0 for r in ranks}}
+        )
+        row["calls"] += 1
+        row["bytes"] += first.nbytes
+        row["seconds"] += sum(e.leave - e.enter for _, e in got) / len(got)
+        arrived = {r: e.enter - offsets.get(r, 0.0) for r, e in got}
+        start = min(arrived.values())
+        for r, at in arrived.items():
+            row["late"][r] = row["late"].get(r, 0.0) + max(at - start, 0.0)
+    return [
+        ProfileRow(op, site, v["calls"], v["bytes"], v["seconds"], dict(sorted(v["late"].items())))
+        for (op, site), v in rows.items()
+    ]
+
+
+def _write_trace(
+    path: str, entries: list[tuple[int, _record.Entry]], offsets: dict[int, float]
+) -> None:
+    """A Chrome trace: a process (track) per rank, a complete event per call."""
+    if not entries:
+        origin = 0.0
+    else:
+        origin = min(e.enter - offsets.get(r, 0.0) for r, e in entries)
+    events: list[dict] = []
+    for rank in sorted({r for r, _ in entries}):
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}
+        )
+    for rank, e in entries:
+        start = e.enter - offsets.get(rank, 0.0) - origin
+        events.append(
+            {
+                "name": f"{e.op} {_site(e.file, e.line)}",
+                "cat": e.gid or "single",
+                "ph": "X",
+                "ts": round(start * 1e6, 3),
+                "dur": round((e.leave - e.enter) * 1e6, 3),
+                "pid": rank,
+                "tid": f"group {list(e.ranks)}",
+                "args": {"call": e.seq, "bytes": e.nbytes},
+            }
+        )
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    os.replace(tmp, path)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+# -- a whole run: DISTKIT_PROFILE ---------------------------------------------------------------
+
+_run: Optional[Profile] = None
+
+
+def start_run() -> None:
+    """Open the whole run's profile when ``DISTKIT_PROFILE`` is set (``init_dist``)."""
+    global _run
+    path = os.environ.get("DISTKIT_PROFILE")
+    if path and _run is None and _record.active is None:
+        _run = profile(trace=path)
+        _run.__enter__()
+        atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    """The run ended without ``destroy_dist``: merging now could wait for ranks that are
+    gone, so each rank writes its own records (a single process merges as usual)."""
+    global _run
+    found = _run
+    if found is None or found._comm is None:
+        return
+    if found._comm.alone:
+        end_run()
+        return
+    _run = None
+    found.__exit__(SystemExit, None, None)  # closes without merging
+    rank = found._comm.global_ranks()[found._comm.rank]
+    own = f"{found.trace}.rank{rank}"
+    _write_trace(own, [(rank, e) for e in found.records], {rank: 0.0})
+    print(
+        f"distkit profile: rank {rank}: the run ended without destroy_dist(), so the ranks' "
+        f"records were not merged; this rank's trace is in {own}",
+        file=sys.stderr,
+    )
+
+
+def end_run() -> None:
+    """Close the whole run's profile (``destroy_dist``): merge, print, write the trace."""
+    global _run
+    found, _run = _run, None
+    if found is not None:
+        found.__exit__(None, None, None)
+        found.print(file=sys.stderr)
