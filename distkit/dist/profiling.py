@@ -32,8 +32,11 @@ import time
 from typing import Any, NamedTuple, Optional
 
 from distkit import _registry
+from distkit._compat import is_compiling
 from distkit.dist import _route
+from distkit.dist.backends.base import ObjectCall
 from distkit.dist.backends.single import SINGLE
+from distkit.dist.codec import policy
 from distkit.dist.core import spec
 from distkit.dist.core.comm import GroupLike
 from distkit.dist.guard import record as _record
@@ -75,6 +78,7 @@ class Profile:
             )
         comm = _route.resolve(self.group, "profile")
         self._comm = comm
+        self.rows, self.records = None, []
         self.offsets = _offsets(comm)
         recorder = _record.Recorder(tuple(comm.global_ranks()))
         self._recorder = recorder
@@ -92,14 +96,15 @@ class Profile:
         if kind is not None:  # the other ranks may not be here: no merging collective
             return
         comm = self._comm
-        mine = [(e, comm.global_ranks()[comm.rank]) for e in self.records]
+        me = comm.global_ranks()[comm.rank]
+        # sites as this rank shows them (relative to its own directory), before merging:
+        # every rank then computes the rows from the same strings
+        mine = [tuple(e._replace(file=_shown(e.file))) for e in self.records]
         if comm.alone:
-            every = [mine]
+            every = [(_TAG, me, mine)]
         else:
-            from distkit.dist.objects import all_gather_object
-
-            every = all_gather_object([(tuple(e), r) for e, r in mine], comm.pg)
-        entries = [(r, _record.Entry(*e)) for part in every for e, r in part]
+            every = _gather(comm, (_TAG, me, mine))
+        entries = [(r, _record.Entry(*e)) for _, r, part in every for e in part]
         self.rows = _rows(entries, self.offsets)
         if self.trace is not None and comm.rank == 0:
             _write_trace(self.trace, entries, self.offsets)
@@ -196,6 +201,8 @@ def _watch_single(on: bool) -> None:
 
 def _recorded(method: Any, name: str) -> Any:
     def run(comm: Any, *args: Any) -> Any:
+        if is_compiling():  # traced calls are not recorded (and time.time cannot trace)
+            return method(comm, *args)
         entered = time.time()
         result = method(comm, *args)
         recorder = _record.active
@@ -214,51 +221,85 @@ def _offsets(comm: Any) -> dict[int, float]:
     ranks = comm.global_ranks()
     if comm.alone:
         return {ranks[0]: 0.0}
-    from distkit.dist.objects import all_gather_object
-    from distkit.dist.tensor import barrier
-
     rounds = []
     for _ in range(3):
-        barrier(comm.pg)
-        rounds.append(all_gather_object(time.time(), comm.pg))
+        comm.backend.barrier(comm)
+        rounds.append(
+            [clock for _, _, clock in _gather(comm, (_TAG, ranks[comm.rank], time.time()))]
+        )
     return {
         r: statistics.median(clocks[i] - clocks[0] for clocks in rounds)
         for i, r in enumerate(ranks)
     }
 
 
+_TAG = "distkit profile"  # marks what the profile's own collectives carry
+
+
+def _gather(comm: Any, mine: tuple) -> list[Any]:
+    """``all_gather_object`` of the profile's own ``(tag, rank, data)`` tuples, under the
+    name ``profile`` (so the default check tells it from a user's ``all_gather_object``);
+    raises on every rank that finds another rank's part missing (that rank left the block
+    with an exception, or skipped it, and sent something else)."""
+    call = ObjectCall("profile", None, policy.serializer_of(None, "profile", comm))
+    every = comm.backend.all_gather_object(comm, mine, call)
+    strays = [
+        r
+        for r, part in enumerate(every)
+        if not (isinstance(part, tuple) and len(part) == 3 and part[0] == _TAG)
+    ]
+    if strays:
+        ranks = comm.global_ranks()
+        raise RuntimeError(
+            f"profile: rank {comm.global_ranks()[comm.rank]} closed its profile, but rank(s) "
+            f"{', '.join(str(ranks[r]) for r in strays)} sent something else in its place: "
+            "every rank of the profile's group must leave the block normally (a rank that "
+            "raised inside it does not merge); those ranks are now out of step with this one"
+        )
+    return every
+
+
 # -- merging ---------------------------------------------------------------------------------
 
 
+def _shown(file: str) -> str:
+    """A call site's file as this rank shows it: relative to its directory when inside."""
+    if not file or not os.path.isabs(file):
+        return file
+    shown = os.path.relpath(file)
+    return file if shown.startswith("..") else shown
+
+
 def _site(file: str, line: int) -> str:
-    if not file:
-        return "<unknown>"
-    shown = os.path.relpath(file) if os.path.isabs(file) else file
-    return f"{file if shown.startswith('..') else shown}:{line}"
+    return f"{file}:{line}" if file else "<unknown>"
 
 
 def _rows(entries: list[tuple[int, _record.Entry]], offsets: dict[int, float]) -> list[ProfileRow]:
     """Every rank's records, as rows (the same on every rank: a function of the records)."""
     calls: dict[tuple, list[tuple[int, _record.Entry]]] = {}
+    seen: dict[tuple, int] = {}
     for rank, e in entries:
-        # a call of a group is one key on every rank of it; a single process's, its own
-        key = (e.gid, e.ranks, e.seq) if e.gid else ("", (rank,), id(e))
+        if e.gid:  # a call of a group: one key on every rank of it
+            key: tuple = (e.gid, e.seq)
+        else:  # it sent nothing (or no process group): the n-th call at its site, by rank
+            local = (rank, e.op, e.file, e.line)
+            seen[local] = n = seen.get(local, 0) + 1
+            key = ("", e.op, e.file, e.line, n)
         calls.setdefault(key, []).append((rank, e))
     rows: dict[tuple[str, str], dict[str, Any]] = {}
-    for (_, ranks, _), got in sorted(calls.items(), key=lambda kv: min(e.enter for _, e in kv[1])):
+    for key, got in sorted(calls.items(), key=lambda kv: min(e.enter for _, e in kv[1])):
         got.sort(key=lambda pair: pair[0])
         first = got[0][1]
         where = (first.op, _site(first.file, first.line))
-        row = rows.setdefault(
-            where, {"calls": 0, "bytes": 0, "seconds": 0.0, "late": {r: 0.0 for r in ranks}}
-        )
+        row = rows.setdefault(where, {"calls": 0, "bytes": 0, "seconds": 0.0, "late": {}})
         row["calls"] += 1
         row["bytes"] += first.nbytes
         row["seconds"] += sum(e.leave - e.enter for _, e in got) / len(got)
         arrived = {r: e.enter - offsets.get(r, 0.0) for r, e in got}
         start = min(arrived.values())
-        for r, at in arrived.items():
-            row["late"][r] = row["late"].get(r, 0.0) + max(at - start, 0.0)
+        for r, at in arrived.items():  # nobody waits for a call that sends nothing
+            late = max(at - start, 0.0) if key[0] else 0.0
+            row["late"][r] = row["late"].get(r, 0.0) + late
     return [
         ProfileRow(op, site, v["calls"], v["bytes"], v["seconds"], dict(sorted(v["late"].items())))
         for (op, site), v in rows.items()
@@ -333,20 +374,34 @@ def _at_exit() -> None:
         return
     _run = None
     found.__exit__(SystemExit, None, None)  # closes without merging
-    rank = found._comm.global_ranks()[found._comm.rank]
-    own = f"{found.trace}.rank{rank}"
-    _write_trace(own, [(rank, e) for e in found.records], {rank: 0.0})
-    print(
-        f"distkit profile: rank {rank}: the run ended without destroy_dist(), so the ranks' "
-        f"records were not merged; this rank's trace is in {own}",
-        file=sys.stderr,
-    )
+    _write_own(found, "the run ended without destroy_dist(), so the ranks' records were not merged")
 
 
 def end_run() -> None:
-    """Close the whole run's profile (``destroy_dist``): merge, print, write the trace."""
+    """Close the whole run's profile (``destroy_dist``): merge, print, write the trace.
+    When merging fails (a rank is gone), this rank's own trace is written instead and
+    ``destroy_dist`` goes on."""
     global _run
     found, _run = _run, None
-    if found is not None:
+    if found is None:
+        return
+    try:
         found.__exit__(None, None, None)
-        found.print(file=sys.stderr)
+    except Exception as exc:
+        _write_own(
+            found,
+            f"merging the ranks' records failed ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})",
+        )
+        return
+    found.print(file=sys.stderr)
+
+
+def _write_own(found: Profile, why: str) -> None:
+    """Write this rank's records alone, to ``PATH.rank<N>``, and say why."""
+    comm = found._comm
+    rank = comm.global_ranks()[comm.rank]
+    own = f"{found.trace}.rank{rank}"
+    entries = [(rank, e._replace(file=_shown(e.file))) for e in found.records]
+    _write_trace(own, entries, {rank: 0.0})
+    print(f"distkit profile: rank {rank}: {why}; this rank's trace is in {own}", file=sys.stderr)

@@ -13,20 +13,22 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from threading import get_ident
 from types import FrameType
 from typing import Any, NamedTuple, Optional
 
 from torch import Tensor
 
+from distkit._compat import is_compiling
 from distkit.dist.guard.check import site_key
 
 
 class Entry(NamedTuple):
     """One collective call, as this rank saw it."""
 
-    gid: str  # the group's name ("" without a process group)
+    gid: str  # the group's name ("": a call that sent nothing, or no process group)
     ranks: Any  # its global ranks (a sequence; tuples once merged)
-    seq: int  # the call's number on the group (0 without a process group)
+    seq: int  # the call's number on the group (0 when gid is "")
     op: str  # the public name
     file: str  # the user's call site
     line: int
@@ -39,11 +41,14 @@ class Recorder:
     """The entries of one open profile."""
 
     def __init__(self, group: Optional[tuple[int, ...]]) -> None:
-        self.group = group  # the profile's group (global ranks), None: every group
+        #: The profile's group (global ranks); ``None``: the whole world. Calls on groups
+        #: that reach outside it are not recorded: their other ranks record nothing.
+        self.group = None if group is None else frozenset(group)
         self.entries: list[Entry] = []
-        #: While a collector runs (see :func:`collector`): the first inner call's
-        #: (group, ranks, number), which names the collector's call, or ``None``.
-        self.inner: Optional[list[Any]] = None
+        #: By thread, while a collector runs in it (see :func:`collector`): the first
+        #: inner call's (group, ranks, number), which names the collector's call.
+        self.inner: dict[int, list[Any]] = {}
+        self._inside: dict[str, bool] = {}  # by group name: within :attr:`group`?
 
     def add(
         self,
@@ -56,14 +61,25 @@ class Recorder:
         enter: float,
     ) -> None:
         """Record a call that ended now (``frame``: a frame below the user's call)."""
-        if self.inner is not None:  # part of a collector's call: recorded as that
-            if not self.inner:
-                self.inner.append((gid, ranks, seq))
+        if self.inner:
+            inner = self.inner.get(get_ident())
+            if inner is not None:  # part of a collector's call: recorded as that
+                if not inner:
+                    inner.append((gid, ranks, seq))
+                return
+        if self.group is not None and not self.within(gid, ranks):
             return
         file, line = site_key(frame)
         self.entries.append(
             Entry(gid, ranks, seq, op, file, line, nbytes(args), enter, time.time())
         )
+
+    def within(self, gid: str, ranks: Any) -> bool:
+        """Whether the group ``gid`` (of global ``ranks``) lies within the profile's."""
+        inside = self._inside.get(gid)
+        if inside is None:
+            inside = self._inside[gid] = self.group is None or set(ranks) <= self.group
+        return inside
 
 
 #: The open profile's recorder, or ``None``
@@ -77,21 +93,25 @@ def collector(op: str, tensors: Any = ()) -> Iterator[None]:
     first inner call (the same on every rank), with the bytes of ``tensors``. Costs a
     generator while no profile is open."""
     recorder = active
-    if recorder is None or recorder.inner is not None:
+    me = get_ident()
+    if recorder is None or me in recorder.inner or is_compiling():
         yield
         return
     frame = sys._getframe(2)  # above contextlib's frame: the collector's caller, or below
-    recorder.inner = []
+    inner: list[Any] = []
+    recorder.inner[me] = inner
     entered = time.time()
     try:
         yield
     finally:
-        inner, recorder.inner = recorder.inner, None
+        del recorder.inner[me]
+        # a call that sent nothing has no group: it is matched across ranks by its site
         gid, ranks, seq = inner[0] if inner else ("", (), 0)
-        file, line = site_key(frame)
-        recorder.entries.append(
-            Entry(gid, ranks, seq, op, file, line, nbytes(tensors), entered, time.time())
-        )
+        if recorder.group is None or not inner or recorder.within(gid, ranks):
+            file, line = site_key(frame)
+            recorder.entries.append(
+                Entry(gid, ranks, seq, op, file, line, nbytes(tensors), entered, time.time())
+            )
 
 
 def nbytes(args: Any) -> int:
@@ -103,11 +123,3 @@ def nbytes(args: Any) -> int:
         elif isinstance(value, (list, tuple)):
             total += sum(v.numel() * v.element_size() for v in value if isinstance(v, Tensor))
     return total
-
-
-def caller(depth: int) -> Optional[FrameType]:
-    """The frame ``depth`` levels above the caller (a call site is found above it)."""
-    try:
-        return sys._getframe(depth + 1)
-    except ValueError:
-        return None

@@ -92,6 +92,11 @@ def _note_pending(facts: Any, seq: int, call: tuple, handle: Handle) -> None:
     facts.pending[seq] = (call, weakref.ref(handle))
 
 
+#: A rare call that every rank must reach at once, checked every time: a profile's own
+#: merge (a rank that left its block with an exception meets it in its next collective)
+_ALWAYS_CHECKED = "profile"
+
+
 def watched(method: F) -> F:
     """Wrap a backend method ``method(self, comm, *args)`` with the checks above."""
     name = method.__name__
@@ -122,7 +127,7 @@ def watched(method: F) -> F:
                 and facts.size > 1
                 and not facts.traced
                 and settings.get("check", _CHECK_DEFAULT)
-                and _check.due(facts, seq, sys._getframe(1))
+                and (_check.due(facts, seq, sys._getframe(1)) or public == _ALWAYS_CHECKED)
             ):
                 _, fields, must = debugmode.signature(name, dict(zip(params, args)))
                 _check.run(comm, public, fields, must, seq)
