@@ -504,7 +504,7 @@ def run_rank(only: Optional[str], quick: bool, budget: float) -> list[dict]:
     torch.set_num_threads(1)
     rows = []
     for group, build in GROUPS.items():
-        if only and only not in group:
+        if only and group not in only.split(","):
             continue
         for case, fns, bus in build(rank, size, quick):
             # None: no such implementation; Unavailable: one that cannot run here
@@ -791,7 +791,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--only",
         default=None,
-        help="run one group: objects, collect, tensors, debug, compile, noop",
+        help="run these groups only, comma-separated: objects, collect, tensors, debug,"
+        " compile, noop",
     )
     parser.add_argument(
         "--quick",
@@ -812,14 +813,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     rows: list[dict] = []
-    if args.only != "noop":
+    wanted = set(args.only.split(",")) if args.only else None
+    if wanted != {"noop"}:
         from distkit.local.pool import RankPool
 
         with RankPool(args.world_size, timeout=args.timeout, pg_timeout=600) as pool:
             only = None if args.only in (None, "all") else args.only
             rows = pool.run(run_rank, only, args.quick, args.budget)[0]
     noop = []
-    if args.only in (None, "noop"):
+    if wanted is None or "noop" in wanted:
         noop = noop_rows(2_000, repeat=2) if args.quick else noop_rows()
     report(rows, noop, args.world_size)
     if args.markdown:

@@ -33,6 +33,7 @@ PINNED = {
     "float8_e5m2fnuz": 19,
     "float8_e8m0fnu": 20,
     "float4_e2m1fn_x2": 21,
+    "bcomplex32": 46,
 }
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, world
+from conftest import ROOT, modern_compile, world
 from helpers_subprocess import script_env
 
 import distkit.dist as dist
@@ -221,6 +221,7 @@ def test_a_single_process_run_without_destroy_dist_is_reported_at_exit(tmp_path)
 # -- what an adversarial review tried -------------------------------------------------------
 
 
+@modern_compile
 @ranks(0)
 def test_a_compiled_function_runs_in_a_profile_unrecorded():
     @torch.compile(backend="eager", fullgraph=True)

@@ -457,6 +457,10 @@ def test_a_rank_that_went_away_is_named(steps, leave, how, said, tmp_path):
     proc = _launch(tmp_path, EXITS_EARLY.format(steps=steps, leave=leave, how=how))
     err = proc.stderr
     assert proc.returncode == 1, err
+    if "terminate called without an active exception" in err:
+        # older torch (seen on 2.4) can abort a process that exits with a live gloo
+        # thread: it was then killed by SIGABRT, and that is what distkit must say
+        said = "rank 1 was killed by signal 6"
     assert "RankGoneError: all_reduce: " + said in err, err
     assert "while rank 0 waited in all_reduce at " in err and "script.py:7 in <module>" in err
     if steps > 3:  # past the checked calls: the backend saw it first, and says so after

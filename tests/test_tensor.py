@@ -51,13 +51,17 @@ def test_all_reduce_keeps_device_dtype_and_layout():
     base = torch.arange(6, dtype=torch.float64).view(2, 3) * (rank + 1)
     t = base.t()  # non-contiguous: reduced in a staged copy, written back in place
     out = dist.all_reduce(t)
-    assert out is t and not t.is_contiguous()
+    assert out is t and not t.is_contiguous() and t.stride() == (1, 3)
+    assert (out.dtype, out.device) == (torch.float64, torch.device("cpu"))
     expected = torch.arange(6, dtype=torch.float64).view(2, 3).t() * sum(range(1, size + 1))
     assert torch.equal(t, expected)
     z = torch.tensor(complex(rank, 1))
-    assert dist.all_reduce(z, "mean").item() == pytest.approx(complex(sum(range(size)) / size, 1))
-    empty = torch.empty(0, 3)
-    assert dist.all_reduce(empty).shape == (0, 3)
+    mean = dist.all_reduce(z, "mean")
+    assert (mean.dtype, mean.shape) == (torch.complex64, ())
+    assert mean.item() == pytest.approx(complex(sum(range(size)) / size, 1))
+    empty = torch.empty(0, 3, dtype=torch.int16)
+    reduced = dist.all_reduce(empty)
+    assert (reduced.shape, reduced.dtype) == ((0, 3), torch.int16)
 
 
 @ranks(*WORLDS)

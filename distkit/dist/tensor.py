@@ -17,7 +17,7 @@ their arguments are the defaults.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union, overload
+from typing import Any, Callable, Literal, Optional, TypeVar, Union, overload
 
 from torch import Tensor
 
@@ -31,8 +31,10 @@ from distkit.dist.core.comm import Comm, GroupLike
 from distkit.dist.core.shortcut import shortcut
 from distkit.dist.handle import Handle
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-def _fast(method: str, **lane: Any) -> Any:
+
+def _fast(method: str, **lane: Any) -> Callable[[_F], _F]:
     """The single-process shortcut the spec of ``method`` declares (see
     :mod:`distkit.dist.core.spec`), compiled in front of the public function."""
     returns, when = spec.shortcut_of(method, {"Tensor": Tensor})

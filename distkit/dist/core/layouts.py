@@ -59,6 +59,7 @@ DTYPE_NAMES = (
     "bits16",
     *(f"uint{n}" for n in range(1, 8)),
     *(f"int{n}" for n in range(1, 8)),
+    "bcomplex32",  # torch 2.14
 )
 #: This torch's dtypes by code, and codes by dtype (names it lacks are left out).
 DTYPES: dict[int, torch.dtype] = {
