@@ -255,3 +255,28 @@ def test_small_objects_take_one_round_large_ones_two():
     calls = rounds(lambda: dist.all_gather_object(big))
     # slot round, then one exact-size broadcast for the one rank that overflowed
     assert calls == ["all_gather_single", "broadcast"], calls
+
+
+def test_large_tensors_can_be_left_out_of_the_cpu_part_and_decoded_from_their_own_buffers():
+    from distkit.dist.core.comm import Comm
+
+    comm = Comm(None, 0, 1, None)
+    big = [torch.full((100_000,), float(i)) for i in range(40)]  # 16 MB: most go apart
+    obj = {"big": big, "small": torch.arange(3), "same": big[0], "array": np.arange(5)}
+    enc = _wire.encode(obj, "data", "send", comm, apart=True)
+    sizes, dev_bytes = _wire.apart_sizes(enc.cpu)
+    assert dev_bytes == 0 and sizes == [a.numel() for a in enc.apart]
+    assert len(enc.apart) >= 37 and enc.cpu.numel() < 2 << 20  # at most 1/16 stays inline
+    # sent apart straight from the tensors: no copy on the way out
+    assert any(a.data_ptr() == big[-1].data_ptr() for a in enc.apart)
+    received = tuple(a.clone() for a in enc.apart)  # each in memory of its own
+    got = _wire.decode(_wire.Encoded(enc.cpu.clone(), None, received))
+    assert got["same"] is got["big"][0] and got["small"].tolist() == [0, 1, 2]
+    for i, t in enumerate(got["big"]):
+        assert torch.equal(t, big[i])
+    owned = [t for t in got["big"] if any(t.data_ptr() == a.data_ptr() for a in received)]
+    assert len(owned) == len(received)  # views of their own buffers, never copied
+    import pickle
+
+    with pytest.raises(pickle.UnpicklingError, match="received apart"):
+        _wire.decode(_wire.Encoded(enc.cpu.clone(), None, received[:-1]))

@@ -9,7 +9,7 @@ Wire format of one encoded object (``Encoded.cpu``, a uint8 CPU tensor)::
 
     int64[4]        MAGIC, skeleton length, number of blobs, bytes of the device part
     int64[n][2]     per blob: byte length, place (0 CPU tensor, 1 device tensor,
-                    2 out-of-band pickle buffer)
+                    2 out-of-band pickle buffer, 3 CPU tensor sent apart)
     skeleton        the pickle stream
     blobs           CPU blobs, each at a 64-byte aligned offset
 
@@ -17,6 +17,11 @@ Device blobs (tensors on the group's accelerator, e.g. CUDA under nccl) are pack
 same way into ``Encoded.dev``, a uint8 tensor on that device, so they move through the
 accelerator's own collectives. Decoding makes no copy of tensor data: received tensors
 are views of the receive buffer (call ``.clone()`` to detach one from it).
+
+Point-to-point sends (:mod:`distkit.dist.backends.p2p`) leave large CPU tensors out of
+the CPU part (place 3): each travels as a message of its own, straight from the sender's
+tensor into memory the receiver allocated for it alone (``Encoded.apart``, in table
+order), so the receiver holds each tensor's bytes once.
 
 NumPy arrays, scalars and dtypes of plain data pickle as calls to distkit's own checked
 constructors (:func:`distkit.dist.codec.builders.numpy_array` and friends), never to NumPy's own
@@ -59,7 +64,10 @@ ALIGN = 64
 # entry and up to 63 bytes of alignment, which is not worth it for tiny arrays.
 MIN_OOB_BYTES = 1024
 
-CPU_BLOB, DEV_BLOB, OOB_BLOB = 0, 1, 2
+CPU_BLOB, DEV_BLOB, OOB_BLOB, APART_BLOB = 0, 1, 2, 3
+#: Point to point: tensors stay in the CPU part while together they are at most this many
+#: bytes or a sixteenth of all tensor bytes, smallest first (see :func:`_apart`)
+APART_INLINE = 1 << 20
 
 _PARAMETER = torch.nn.Parameter
 
@@ -212,16 +220,43 @@ def _reducer(cls: type) -> Optional[Callable[[Any], Any]]:
 
 
 class Encoded(NamedTuple):
-    """An encoded object: the CPU part, and the packed device tensors (or None)."""
+    """An encoded object: the CPU part, the packed device tensors (or None), and the CPU
+    tensors sent apart (flat uint8 tensors, in table order)."""
 
     cpu: Tensor
     dev: Optional[Tensor]
+    apart: tuple[Tensor, ...] = ()
+
+
+def _apart(sizes: list[int], places: list[int]) -> set[int]:
+    """Which CPU tensor blobs travel apart: the largest, until the rest (smallest first)
+    is at most :data:`APART_INLINE` bytes or a sixteenth of every tensor's bytes, so a
+    receiver never holds more than that twice (once received, once copied out)."""
+    tensors = sorted(
+        (size, i) for i, (size, place) in enumerate(zip(sizes, places)) if place == CPU_BLOB
+    )
+    budget = max(APART_INLINE, sum(size for size, _ in tensors) // 16)
+    inline = 0
+    for k, (size, _) in enumerate(tensors):
+        inline += size
+        if inline > budget:
+            return {i for _, i in tensors[k:]}
+    return set()
 
 
 def encode(
-    obj: Any, name: str, fn: str, comm: Comm, device: Optional[torch.device] = None
+    obj: Any,
+    name: str,
+    fn: str,
+    comm: Comm,
+    device: Optional[torch.device] = None,
+    apart: bool = False,
 ) -> Encoded:
     """Encode ``obj``; tensors on ``device``'s type go to the device part, others to the CPU.
+
+    With ``apart``, the largest CPU tensors are left out of the CPU part (see
+    :func:`_apart`): ``Encoded.apart`` holds their bytes (views of the tensors when they
+    are contiguous CPU tensors, no copy).
 
     Raises:
         TypeError: ``obj`` (or a part of it, named by its path) cannot be pickled.
@@ -235,6 +270,9 @@ def encode(
     skeleton = stream.getbuffer()
     blobs, places = encoder.blobs, encoder.places
     sizes = [b.nbytes if isinstance(b, memoryview) else b.numel() * b.element_size() for b in blobs]
+    if apart:
+        for i in _apart(sizes, places):
+            places[i] = APART_BLOB
 
     table_end = HEADER_BYTES + ENTRY_BYTES * len(blobs)
     cpu_size = _align(table_end + len(skeleton))
@@ -244,6 +282,8 @@ def encode(
         if place == DEV_BLOB:
             offsets.append(dev_size)
             dev_size = _align(dev_size + size)
+        elif place == APART_BLOB:
+            offsets.append(0)
         else:
             offsets.append(cpu_size)
             cpu_size = _align(cpu_size + size)
@@ -265,7 +305,11 @@ def encode(
     raw[table_end : table_end + len(skeleton)] = skeleton
     skeleton.release()
     dev = torch.empty(dev_size, dtype=torch.uint8, device=device) if dev_size else None
+    sent_apart = []
     for blob, size, place, offset in zip(blobs, sizes, places, offsets):
+        if place == APART_BLOB:
+            sent_apart.append(flat_bytes(blob).cpu())
+            continue
         if size == 0:
             continue
         if place == OOB_BLOB:
@@ -279,7 +323,27 @@ def encode(
             raw[offset : offset + size] = bytes_view(flat_bytes(blob).cpu())
     if cpu is None:
         cpu = torch.frombuffer(raw, dtype=torch.uint8)
-    return Encoded(cpu, dev)
+    return Encoded(cpu, dev, tuple(sent_apart))
+
+
+def apart_sizes(cpu: Tensor) -> tuple[list[int], int]:
+    """The byte sizes of the tensors an encoded object's CPU part says were sent apart
+    (in order), and of its device part: what a receiver allocates before the bytes come.
+
+    Raises:
+        pickle.UnpicklingError: the CPU part is malformed (its header or table).
+    """
+    raw = bytes_view(cpu)
+    if len(raw) < HEADER_BYTES:
+        raise pickle.UnpicklingError(f"{len(raw)} bytes, shorter than distkit's header")
+    magic, _, n_blobs, dev_bytes = layouts.WIRE_HEADER.unpack_from(raw, 0)
+    if magic != MAGIC or not 0 <= n_blobs <= (len(raw) - HEADER_BYTES) // ENTRY_BYTES:
+        raise pickle.UnpicklingError("the payload does not start with distkit's header")
+    table = struct.unpack_from(f"<{2 * n_blobs}q", raw, HEADER_BYTES)
+    sizes = [table[2 * i] for i in range(n_blobs) if table[2 * i + 1] == APART_BLOB]
+    if dev_bytes < 0 or any(size < 0 for size in sizes):
+        raise pickle.UnpicklingError("the payload's table holds a negative size")
+    return sizes, dev_bytes
 
 
 # -- decoding ----------------------------------------------------------------------
@@ -297,9 +361,10 @@ class _Parts(NamedTuple):
 
 
 def _parse(enc: Encoded) -> _Parts:
-    cpu, dev = enc
+    cpu, dev, apart = enc
     raw = bytes_view(cpu)
     total, dev_total = len(raw), (dev.numel() if dev is not None else 0)
+    apart_total, k = sum(a.numel() for a in apart), 0
     if total < HEADER_BYTES:
         raise Refused(f"{total} bytes, shorter than distkit's {HEADER_BYTES}-byte header")
     magic, skel_len, n_blobs, dev_bytes = layouts.WIRE_HEADER.unpack_from(raw, 0)
@@ -319,6 +384,12 @@ def _parse(enc: Encoded) -> _Parts:
     cpu_buffer, copied = cpu.untyped_storage().nbytes(), 0  # all the receive buffer holds
     for i in range(n_blobs):
         size, place = table[2 * i], table[2 * i + 1]
+        if place == APART_BLOB:  # its own message: the k-th of Encoded.apart, whole
+            if k >= len(apart) or apart[k].numel() != size:
+                raise Refused(f"blob {i} ({size} bytes, sent apart) was not received whole")
+            spans.append((place, k, size))
+            k += 1
+            continue
         offset, limit = (dev_off, dev_total) if place == DEV_BLOB else (cpu_off, total)
         if place not in (CPU_BLOB, DEV_BLOB, OOB_BLOB) or not 0 <= size <= limit - offset:
             raise Refused(f"blob {i} (place {place}, {size} bytes) does not fit in the payload")
@@ -334,8 +405,10 @@ def _parse(enc: Encoded) -> _Parts:
                     buffers.append(bytearray(part))
                     copied += size
             cpu_off = _align(cpu_off + size)
+    if k != len(apart):
+        raise Refused(f"{len(apart)} tensors were received apart, the table names {k}")
     skeleton = bytes(raw[table_end : table_end + skel_len])
-    return _Parts(skeleton, spans, buffers, total + dev_total, raw, copied)
+    return _Parts(skeleton, spans, buffers, total + dev_total + apart_total, raw, copied)
 
 
 #: Tensor dtypes a reference may name: torch's, by name, but for the quantized ones
@@ -366,7 +439,7 @@ class _Blobs(_safe.Tensors):
     """The tensor blobs of one payload, handed out through checked tensor references."""
 
     def __init__(self, enc: Encoded, parts: _Parts, map_location: Any, safe: bool) -> None:
-        self.cpu, self.dev = enc
+        self.cpu, self.dev, self.apart = enc
         self.raw = parts.raw
         self.cpu_buffer = self.cpu.untyped_storage().nbytes()
         self.spans = parts.spans
@@ -411,7 +484,10 @@ class _Blobs(_safe.Tensors):
         index, dtype, shape, grad, param, dev_type = key
         place, offset, size = self.spans[index]
         source = self.dev if place == DEV_BLOB else self.cpu
-        if size == 0 or source is None:  # no bytes, and so no element: zeros all the same
+        if place == APART_BLOB:  # memory of its own, received for this tensor alone
+            t = self.apart[offset]
+            t = t.view(dtype).view(shape) if size else torch.zeros(shape, dtype=dtype)
+        elif size == 0 or source is None:  # no bytes, and so no element: zeros all the same
             device = source.device if source is not None else None
             t = torch.zeros(shape, dtype=dtype, device=device)
         else:
