@@ -278,5 +278,7 @@ def test_large_tensors_can_be_left_out_of_the_cpu_part_and_decoded_from_their_ow
     assert len(owned) == len(received)  # views of their own buffers, never copied
     import pickle
 
-    with pytest.raises(pickle.UnpicklingError, match="received apart"):
+    with pytest.raises(pickle.UnpicklingError, match=r"sent apart\) was not received whole"):
         _wire.decode(_wire.Encoded(enc.cpu.clone(), None, received[:-1]))
+    with pytest.raises(pickle.UnpicklingError, match="tensors were received apart"):
+        _wire.decode(_wire.Encoded(enc.cpu.clone(), None, (*received, received[0])))
