@@ -1,6 +1,6 @@
 """distkit against raw torch.distributed and mmengine.dist, measured in the same run.
 
-    python benchmarks/run.py [--world-size 2] [--only objects] [--quick] [--json out.json]
+    python benchmarks/run.py [--world-size 2] [--only objects|p2p|...] [--quick] [--json out.json]
     distkit bench ...        (the same, through the command line)
 
 It starts its own gloo world on this machine (a :class:`~distkit.testing.RankPool`, each
@@ -407,6 +407,155 @@ def _debug_cases(rank: int, size: int, quick: bool) -> list[tuple]:
     return rows
 
 
+def _p2p_cases(rank: int, size: int, quick: bool) -> list[tuple]:
+    """Point to point: distkit's recv of a tensor whose shape it does not know, against
+    torch's recv into a tensor allocated once beforehand (what torch needs: the shape known
+    in advance); an object of tensors, against torch's send_object_list (the ring is
+    :func:`_p2p_ring_cases`)."""
+    rows: list[tuple] = []
+    sizes = [(1, "overhead", 1.1)] if quick else [(1, "overhead", 1.1), (16, "info", 0.0)]
+    for mib, check, goal in [(1 / 16, "info", 0.0), *sizes]:
+        n = int(mib * MiB) // 4
+        x = torch.ones(n)
+        pre = torch.empty(n)
+
+        def ours(x: torch.Tensor = x) -> Any:
+            if rank == 0:
+                return dist.send(x, 1)
+            return dist.recv(0) if rank == 1 else None
+
+        def theirs(x: torch.Tensor = x, pre: torch.Tensor = pre) -> Any:
+            if rank == 0:
+                return td.send(x, 1)
+            return td.recv(pre, 0) if rank == 1 else None
+
+        label = f"{int(mib * 1024)} KiB" if mib < 1 else f"{int(mib)} MiB"
+        target = f"<= {goal}x torch" if check == "overhead" else "(information)"
+        case = Case(
+            f"recv: {label} tensor, shape unknown (torch: recv into a tensor allocated before)",
+            "p2p",
+            target,
+            check,
+            goal,
+        )
+        rows.append((case, {"distkit": ours, "torch": theirs}, None))
+
+    total = 4 * MiB if quick else 64 * MiB
+    obj = tensor_dicts(total, 0)
+
+    def ours_obj() -> Any:
+        if rank == 0:
+            return dist.send(obj, 1)
+        return dist.recv(0) if rank == 1 else None
+
+    def theirs_obj() -> Any:
+        if rank == 0:
+            return td.send_object_list([obj], 1)
+        out: list[Any] = [None]
+        if rank == 1:
+            td.recv_object_list(out, 0)
+        return out[0]
+
+    case = Case(
+        f"recv: an object holding {total // MiB} MiB of tensors (torch: recv_object_list)",
+        "p2p",
+        ">= 2.0x faster",
+        "vs",
+        2.0,
+    )
+    rows.append((case, {"distkit": ours_obj, "torch": _torch_objects() or theirs_obj}, None))
+    return rows
+
+
+def _p2p_ring_cases(rank: int, size: int, quick: bool) -> list[tuple]:
+    """A ring (each rank sends 1 MiB to the next and receives from the previous), on 3
+    ranks or more: distkit's exchange, shapes unknown to the receivers, against torch's
+    batch_isend_irecv into a tensor of the known shape (allocated inside the call too)."""
+    if size < 3 and not quick:
+        return []  # main() runs this group in a world of 3 ranks of its own
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    ring = torch.ones(MiB // 4)
+
+    def ours_ring() -> Any:
+        return dist.exchange({nxt: ring}, [prv])
+
+    def theirs_ring() -> Any:
+        out = torch.empty(MiB // 4)
+        ops = [td.P2POp(td.isend, ring, nxt), td.P2POp(td.irecv, out, prv)]
+        for work in td.batch_isend_irecv(ops):
+            work.wait()
+        return out
+
+    case = Case(
+        f"ring exchange, {size} ranks: 1 MiB to the next rank (torch: batch_isend_irecv, "
+        "shape known)",
+        "p2p_ring",
+        "(information)",
+        "info",
+        0.0,
+    )
+    return [(case, {"distkit": ours_ring, "torch": theirs_ring}, None)]
+
+
+def _p2p_memory(impl: str, total: int) -> int:
+    """On rank 1 of a fresh world: how much the peak resident memory grew while receiving
+    an object holding ``total`` bytes of tensors from rank 0 (held at the end)."""
+    rank = dist.get_rank()
+    obj = tensor_dicts(total, 0) if rank == 0 else None
+    if rank == 1:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak, from now on
+    before = _memory("VmRSS")
+    dist.barrier()
+    if rank == 0:
+        if impl == "distkit":
+            dist.send(obj, 1)
+        else:
+            td.send_object_list([obj], 1)
+    elif rank == 1:
+        if impl == "distkit":
+            got = dist.recv(0)
+        else:
+            box: list[Any] = [None]
+            td.recv_object_list(box, 0)
+            got = box[0]
+        assert len(got) == max(1, total // MiB), "not the whole object"
+    peak = _memory("VmHWM") - before
+    dist.barrier()
+    return peak
+
+
+def _memory(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def p2p_memory_rows(quick: bool, timeout: float) -> list[dict]:
+    """The receiver's peak memory, distkit against torch's recv_object_list, each in a
+    world of its own (memory a process freed earlier would hide what the next one takes)."""
+    import os
+
+    from distkit.local.pool import RankPool
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        return []
+    total = 4 * MiB if quick else 64 * MiB
+    peaks: dict[str, int] = {}
+    missing: dict[str, str] = {}
+    for impl in ("distkit", "torch"):
+        if impl == "torch" and _torch_objects() is not None:
+            missing[impl] = NEEDS_NUMPY.reason
+            continue
+        with RankPool(2, timeout=timeout) as pool:
+            peaks[impl] = pool.run(_p2p_memory, impl, total)[1]
+    name = f"recv: an object holding {total // MiB} MiB of tensors"
+    case = Case(name, "p2p", "<= 1.2x the payload", "memory", 1.2)
+    return [{"case": case._asdict(), "bytes": peaks, "payload": total, "missing": missing}]
+
+
 def _compile_cases(rank: int, size: int, quick: bool) -> list[tuple]:
     """A training step compiled with torch.compile (fullgraph) that all-reduces its loss.
 
@@ -483,6 +632,8 @@ GROUPS = {
     "tensors": _tensor_cases,
     "debug": _debug_cases,
     "compile": _compile_cases,
+    "p2p": _p2p_cases,
+    "p2p_ring": _p2p_ring_cases,
 }
 
 
@@ -619,6 +770,27 @@ Table = tuple[str, list[str], list[list[str]]]  # title, columns, rows of cells
 def tables(rows: list[dict], noop: list[dict], world: int) -> list[Table]:
     """The report as plain tables; :func:`report` and :func:`markdown` render them."""
     out: list[Table] = []
+    memory = [r for r in rows if r["case"]["check"] == "memory"]
+    rows = [r for r in rows if r["case"]["check"] != "memory"]
+    if memory:
+        cells = []
+        for row in memory:
+            payload = row["payload"]
+            shown = [
+                f"{row['bytes'][n] / MiB:.0f} MiB ({row['bytes'][n] / payload:.2f}x)"
+                if n in row["bytes"]
+                else _not_run(row, n)
+                for n in ("distkit", "torch")
+            ]
+            met = "yes" if row["bytes"]["distkit"] <= row["case"]["goal"] * payload else "NO"
+            cells.append([row["case"]["name"], *shown, row["case"]["target"], met])
+        out.append(
+            (
+                "the receiver's peak memory growth (x the payload), each in a fresh world",
+                ["case", "distkit", "torch", "target", "met"],
+                cells,
+            )
+        )
     debug = [r for r in rows if r["case"]["check"] == "debug"]
     checked = [r for r in rows if r["case"]["check"] == "check"]
     profiled = [r for r in rows if r["case"]["check"] == "profile"]
@@ -792,7 +964,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--only",
         default=None,
         help="run these groups only, comma-separated: objects, collect, tensors, debug,"
-        " compile, noop",
+        " compile, p2p, noop",
     )
     parser.add_argument(
         "--quick",
@@ -818,8 +990,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         from distkit.local.pool import RankPool
 
         with RankPool(args.world_size, timeout=args.timeout, pg_timeout=600) as pool:
-            only = None if args.only in (None, "all") else args.only
-            rows = pool.run(run_rank, only, args.quick, args.budget)[0]
+            only = None if wanted is None or "all" in wanted else set(wanted)
+            if only and "p2p" in only:
+                only.add("p2p_ring")  # in this world when it has 3 ranks or more (or --quick)
+            rows = pool.run(run_rank, only and ",".join(sorted(only)), args.quick, args.budget)[0]
+        if wanted is None or wanted & {"all", "p2p"}:
+            if args.world_size < 3 and not args.quick:  # the ring: 3 ranks of its own
+                with RankPool(3, timeout=args.timeout, pg_timeout=600) as pool:
+                    rows += pool.run(run_rank, "p2p_ring", args.quick, args.budget)[0]
+            rows += p2p_memory_rows(args.quick, args.timeout)
     noop = []
     if wanted is None or "noop" in wanted:
         noop = noop_rows(2_000, repeat=2) if args.quick else noop_rows()

@@ -43,6 +43,11 @@ def case(name: str, fn: str, error: type[Exception] | None, *args: Any, **kwargs
     return Case(name, fn, lambda rank, size: (args, kwargs), error)
 
 
+def ranked(name: str, fn: str, error: type[Exception] | None, build: Callable) -> Case:
+    """A case whose arguments depend on this rank: ``build(rank, size) -> (args, kwargs)``."""
+    return Case(name, fn, build, error)
+
+
 def sized(name: str, fn: str, error: type[Exception] | None, build: Callable) -> Case:
     """A case whose arguments depend on the world size: ``build(size) -> (args, kwargs)``."""
     return Case(name, fn, lambda rank, size: build(size), error)
@@ -159,6 +164,49 @@ CASES = [
     ),
     sized("list too long", "all_to_all_object", ValueError, lambda n: ((list(range(n + 1)),), {})),
     case("data is a dict", "all_to_all_object", TypeError, {"a": 1}),
+    # point to point: a peer is another rank of the group; tags and options are checked
+    # first, since in a world of one rank every dst and src is refused
+    ranked("dst is this rank", "send", ValueError, lambda rank, size: ((_t(), rank), {})),
+    sized("dst is the size", "send", ValueError, lambda n: ((_t(), n), {})),
+    case("dst is -1", "send", ValueError, _t(), -1),
+    case("dst is 1.0", "send", TypeError, _t(), 1.0),
+    case("dst is None", "send", TypeError, _t(), None),
+    case("a sparse tensor", "send", TypeError, torch.eye(2).to_sparse(), 0),
+    case("tag is -1", "send", ValueError, _t(), 0, tag=-1),
+    case("tag is 2**30", "send", ValueError, _t(), 0, tag=2**30),
+    case("tag is a string", "send", TypeError, _t(), 0, tag="a"),
+    case("async_op is 1", "send", TypeError, _t(), 0, async_op=1),
+    ranked("src is this rank", "recv", ValueError, lambda rank, size: ((rank,), {})),
+    sized("src is the size", "recv", ValueError, lambda n: ((n,), {})),
+    case("src is a string", "recv", TypeError, "0"),
+    case("tag is True", "recv", TypeError, 0, tag=True),
+    case("async_op is None", "recv", TypeError, 0, async_op=None),
+    ranked("dst is this rank", "isend", ValueError, lambda rank, size: ((_t(), rank), {})),
+    ranked("src is this rank", "irecv", ValueError, lambda rank, size: ((rank,), {})),
+    sized("src is the size", "irecv", ValueError, lambda n: ((n,), {})),
+    case("sends is a list", "exchange", TypeError, [_t()], [0]),
+    case("recv_from is a string", "exchange", TypeError, {}, "0"),
+    case("recv_from is an int", "exchange", TypeError, {}, 0),
+    sized("a key out of range", "exchange", ValueError, lambda n: (({n: _t()}, []), {})),
+    sized("a source out of range", "exchange", ValueError, lambda n: (({}, [n]), {})),
+    case("a float key", "exchange", TypeError, {0.0: _t()}, []),
+    ranked(
+        "a source twice",
+        "exchange",
+        ValueError,
+        lambda rank, size: (({rank: _t()}, [rank, rank]), {}),
+    ),
+    ranked("this rank received, not sent", "exchange", ValueError, lambda r, n: (({}, [r]), {})),
+    ranked("this rank sent, not received", "exchange", ValueError, lambda r, n: (({r: 1}, []), {})),
+    ranked("this rank's own entry", "exchange", None, lambda r, n: (({r: _t()}, [r]), {})),
+    case("nothing at all", "exchange", None, {}, []),
+    case("tag is -1", "exchange", ValueError, {}, [], tag=-1),
+    ranked(
+        "a sparse tensor to itself",
+        "exchange",
+        TypeError,
+        lambda r, n: (({r: torch.eye(2).to_sparse()}, [r]), {}),
+    ),
     # helpers
     case("data is a list", "all_reduce_dict", TypeError, [1]),
     case("a value is an int", "all_reduce_dict", TypeError, {"n": 3}),

@@ -35,7 +35,12 @@ def test_benchmark_quick_run_reports_every_case(tmp_path):
     assert any(n.startswith("collect_results") for n in names)
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         assert any(n.startswith(f"{op}: 1 MiB") for n in names)
+    p2p = [n for n in names if n.startswith(("recv:", "ring exchange"))]
+    assert len(p2p) == 5, p2p  # 2 tensor sizes, an object, a ring, the receiver's memory
     for row in data["rows"]:
+        if row["case"]["check"] == "memory":  # peak bytes, each in a world of its own
+            assert row["bytes"]["distkit"] > 0 and row["payload"] > 0, row
+            continue
         assert row["seconds"]["distkit"] > 0
         assert len(row["seconds"]) >= 2, "every case is measured against a peer"
     assert any(n.startswith("serial floor of broadcast_object_list") for n in names)
@@ -80,7 +85,7 @@ def test_benchmark_runs_without_numpy_and_says_which_columns_need_it(tmp_path):
         assert row["seconds"]["distkit"] > 0 and "torch" not in row["seconds"], row
         assert row["missing"]["torch"] == "needs NumPy", row
     for row in rows:  # mmengine imports NumPy
-        assert not any(name.startswith("mmengine") for name in row["seconds"]), row
+        assert not any(name.startswith("mmengine") for name in row.get("seconds", ())), row
         if mmengine and any(name.startswith("mmengine") for name in row["missing"]):
             assert set(row["missing"].values()) == {"needs NumPy"}, row
     if mmengine:

@@ -442,3 +442,28 @@ def test_every_dtype_compiles_to_the_eager_result(dtype):
                 _compiled(reduce)(x.clone())
             assert str(eager.value) in str(strict.value)
     torch._dynamo.reset()
+
+
+def _pipeline_stage(x):
+    """A stage of a pipeline: compute, hand the activations on, take the ones that come."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    y = x * 2 + 1
+    got = dist.exchange({(rank + 1) % size: y[: rank + 1]}, [(rank - 1) % size])
+    return got[(rank - 1) % size].sum() + y
+
+
+@ranks(0, 2, timeout=COMPILE_TIMEOUT)
+def test_point_to_point_breaks_the_graph_with_a_reason_and_stays_correct():
+    import torch._dynamo
+
+    rank, size = world()
+    t = torch.arange(4.0) + rank
+    _against_eager(_pipeline_stage, t, fullgraph=False)
+    if size > 1:
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(_pipeline_stage)(t.clone())
+        reasons = " ".join(str(r.reason) for r in explained.break_reasons)
+        assert "distkit.dist.exchange moves data point to point" in reasons, reasons
+        with pytest.raises(Exception, match=r"distkit\.dist\.send moves data point to point"):
+            _compiled(lambda x: dist.send(x, 1 - rank) or x)(t)
+    torch._dynamo.reset()

@@ -112,6 +112,57 @@ def _device_helpers() -> None:
     assert get_data_device(back).type == "cuda" and back["a"][0].item() == 1.0
 
 
+def _point_to_point_on_the_gpu() -> None:
+    """Rings of changing shapes (past every capacity: NCCL needs exact sizes, so frames are
+    padded or sent in two messages), objects with CUDA tensors, and send/recv in order."""
+    rank, size = world()
+    dev = _cuda()
+    home = dev if dist.get_backend() == "nccl" else torch.device("cpu")  # the comm device
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    for step, n in enumerate([3, 3, 3, 100_000, 0, 2_000_000, 2_000_000, 7]):
+        mine = torch.full((n + rank,), float(rank * 10 + step), device=dev)
+        got = dist.exchange({nxt: mine}, [prv])[prv]
+        if prv == rank:
+            assert got is mine
+            continue
+        assert got.device == home and got.shape == (n + prv,)
+        assert bool((got == float(prv * 10 + step)).all())
+    obj = {"r": rank, "x": torch.arange(4, device=dev) + rank, "big": torch.ones(300_000)}
+    got = dist.exchange({nxt: obj}, [prv])[prv]
+    assert got["r"] == prv and got["x"].cpu().tolist() == [prv + i for i in range(4)]
+    assert torch.equal(got["big"].cpu(), torch.ones(300_000))
+    if size == 1:
+        with pytest.raises(ValueError, match="is this rank"):
+            dist.send(torch.ones(1, device=dev), 0)
+        return
+    sizes = [5, 5, 1 << 20, 1, 0]
+    if rank == 0:
+        for n in sizes:
+            dist.send(torch.arange(n, dtype=torch.int32, device=dev), 1)
+        dist.isend(torch.ones(2, 3, dtype=torch.bfloat16, device=dev).t(), 1).wait()
+        dist.send({"t": torch.ones(2, device=dev)}, 1)
+    elif rank == 1:
+        for n in sizes:
+            t = dist.recv(0)
+            assert t.device == home and t.dtype == torch.int32
+            assert torch.equal(t.cpu(), torch.arange(n, dtype=torch.int32))
+        t = dist.irecv(0).wait()
+        assert t.device == home and t.shape == (3, 2) and t.dtype == torch.bfloat16
+        assert t.is_contiguous() and bool((t == 1).all())
+        assert dist.recv(0)["t"].cpu().tolist() == [1.0, 1.0]
+    dist.barrier()
+
+
+@ranks(*NCCL_WORLDS, timeout=120, backend="nccl")
+def test_nccl_point_to_point():
+    _point_to_point_on_the_gpu()
+
+
+@ranks(0, 2, 3, timeout=120)
+def test_cuda_point_to_point_on_gloo():
+    _point_to_point_on_the_gpu()
+
+
 @ranks(*NCCL_WORLDS, timeout=120, backend="nccl")
 def test_nccl_tensor_collectives():
     assert dist.get_backend() == "nccl"

@@ -28,12 +28,13 @@ LAYERS = [
     | {"distkit.dist.codec.policy", "distkit.dist.codec.safe", "distkit.dist.codec.builders"}
     | {"distkit.dist.codec.opcodes", "distkit.dist.guard", "distkit.dist.guard.watch"}
     | {"distkit.dist.guard.debugmode", "distkit.dist.guard.check", "distkit.dist.guard.board"}
-    | {"distkit.dist.guard.watchdog", "distkit.dist.guard.diagnose", "distkit.dist.guard.record"},
+    | {"distkit.dist.guard.watchdog", "distkit.dist.guard.diagnose", "distkit.dist.guard.record"}
+    | {"distkit.dist.guard.pairs"},
     # 3: the backends
     {"distkit.dist.backends", "distkit.dist.backends.base", "distkit.dist.backends.single"}
     | {"distkit.dist.backends.tensors", "distkit.dist.backends.objects"}
     | {"distkit.dist.backends.gloo"}
-    | {"distkit.dist.backends.uneven", "distkit.dist.backends.stream"}
+    | {"distkit.dist.backends.uneven", "distkit.dist.backends.stream", "distkit.dist.backends.p2p"}
     | {"distkit.dist.backends.traced"},
     # 4: the decision point: which group, which backend
     {"distkit.dist._route", "distkit.dist._autograd"},
@@ -49,6 +50,7 @@ LAYERS = [
         "distkit.dist.debug",
         "distkit.dist.serializer",
         "distkit.dist.profiling",
+        "distkit.dist.p2p",
     },
     # mmengine's import paths (distkit.dist.dist, distkit.dist.utils): re-exports only
     {"distkit.dist.dist", "distkit.dist.utils"},

@@ -86,3 +86,11 @@ def test_shape_rows_and_row_headers_round_trip():
     assert layouts.parse_shape_row(layouts.shape_row(deep), [1] * 30) == (torch.float32, (1,) * 30)
     # the row digest is the same in every process and on every Python (crc32, not hash)
     assert layouts.row_header(torch.zeros(5, 2, 3))[:3] == [0, 2, 3851708885]
+
+
+def test_point_to_point_frames_are_pinned():
+    assert layouts.P2P_HEAD.format == "<8q" and layouts.P2P_HEAD.size == 64
+    assert (layouts.P2P_TENSOR, layouts.P2P_OBJECT, layouts.P2P_FAILED) == (0, 1, 2)
+    assert (layouts.P2P_ALIGN, layouts.P2P_MIN_CAPACITY) == (64, 4096)
+    assert layouts.P2P_TAG_BASE == layouts.P2P_TAGS == 1 << 30
+    assert [layouts.p2p_head_bytes(n) for n in (0, 1, 8, 9, 16)] == [64, 128, 128, 192, 192]

@@ -27,6 +27,11 @@ from distkit.dist.objects import broadcast_object as broadcast_object
 from distkit.dist.objects import broadcast_object_list as broadcast_object_list
 from distkit.dist.objects import gather_object as gather_object
 from distkit.dist.objects import scatter_object_list as scatter_object_list
+from distkit.dist.p2p import exchange as exchange
+from distkit.dist.p2p import irecv as irecv
+from distkit.dist.p2p import isend as isend
+from distkit.dist.p2p import recv as recv
+from distkit.dist.p2p import send as send
 from distkit.dist.profiling import Profile as Profile
 from distkit.dist.profiling import ProfileRow as ProfileRow
 from distkit.dist.profiling import profile as profile

@@ -150,3 +150,22 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def all_to_all_object(self, comm: Comm, data: list[Any], call: ObjectCall) -> list[Any]:
         """The object each rank sent here; ``data[rank]`` itself at this rank's index."""
+
+    # -- point to point ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def send(
+        self, comm: Comm, data: Any, dst: int, tag: int, async_op: bool, call: ObjectCall
+    ) -> Result[None]:
+        """Send ``data`` (a tensor, or any object) to ``dst``; ``None`` once it is out."""
+
+    @abc.abstractmethod
+    def recv(self, comm: Comm, src: int, tag: int, async_op: bool, call: ObjectCall) -> Result[Any]:
+        """What ``src`` sent: a new tensor, or the object."""
+
+    @abc.abstractmethod
+    def exchange(
+        self, comm: Comm, sends: dict[int, Any], recv_from: list[int], tag: int, call: ObjectCall
+    ) -> dict[int, Any]:
+        """Send ``sends[d]`` to each ``d`` and receive from each of ``recv_from``, all
+        posted at once; ``{src: what it sent}`` (this rank's own entry as passed)."""

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from distkit.dist.backends.base import Backend, ObjectCall, Result
 from distkit.dist.codec import pickling as _pickling
+from distkit.dist.core.args import fail
 from distkit.dist.handle import Handle
 
 if TYPE_CHECKING:
@@ -117,6 +118,22 @@ class SingleBackend(Backend):
     def all_to_all_object(self, comm: Comm, data: list[Any], call: ObjectCall) -> list[Any]:
         _pickling.check(data, "data", call.fn, comm)
         return list(data)
+
+    # Point to point: the public functions refuse every peer in a world of one rank (one
+    # out of range, or this rank itself), so send and recv never get here.
+
+    def send(
+        self, comm: Comm, data: Any, dst: int, tag: int, async_op: bool, call: ObjectCall
+    ) -> Result[None]:
+        fail(ValueError, call.fn, comm, "a world of one rank has no other rank to send to")
+
+    def recv(self, comm: Comm, src: int, tag: int, async_op: bool, call: ObjectCall) -> Result[Any]:
+        fail(ValueError, call.fn, comm, "a world of one rank has no other rank to receive from")
+
+    def exchange(
+        self, comm: Comm, sends: dict[int, Any], recv_from: list[int], tag: int, call: ObjectCall
+    ) -> dict[int, Any]:
+        return {src: sends[src] for src in recv_from}  # this rank's own entry, as passed
 
 
 SINGLE = SingleBackend()

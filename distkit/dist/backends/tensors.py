@@ -30,8 +30,9 @@ from distkit._compat import (
     is_compiling,
     reduce_scatter_single,
 )
+from distkit.dist.backends import p2p as _p2p
 from distkit.dist.backends import uneven as _uneven
-from distkit.dist.backends.base import BROADCAST_BYTES, Result
+from distkit.dist.backends.base import BROADCAST_BYTES, ObjectCall, Result
 from distkit.dist.backends.objects import TorchObjects
 from distkit.dist.codec import wire as _wire
 from distkit.dist.core import args as _args
@@ -756,6 +757,35 @@ class TorchBackend(TorchObjects):
             td.barrier(group=comm.pg, device_ids=[dev.index])
         else:
             td.barrier(group=comm.pg)
+
+    # -- point to point (see distkit.dist.backends.p2p) -------------------------------
+
+    @watched
+    def send(
+        self, comm: Comm, data: Any, dst: int, tag: int, async_op: bool, call: ObjectCall
+    ) -> Result[None]:
+        if not async_op and _p2p.send_fast(comm, data, dst, tag, call.fn):
+            return None
+        waiter = _p2p.start(comm, call.fn, {dst: data}, [], tag, call, not async_op)
+        return _p2p.result(waiter, async_op, lambda: None)
+
+    @watched
+    def recv(self, comm: Comm, src: int, tag: int, async_op: bool, call: ObjectCall) -> Result[Any]:
+        if not async_op:
+            got = _p2p.recv_fast(comm, src, tag, call)
+            if got is not _p2p.NOTHING:
+                return got
+        waiter = _p2p.start(comm, call.fn, {}, [src], tag, call, not async_op)
+        return _p2p.result(waiter, async_op, lambda: waiter.results[src])
+
+    @watched
+    def exchange(
+        self, comm: Comm, sends: dict[int, Any], recv_from: list[int], tag: int, call: ObjectCall
+    ) -> dict[int, Any]:
+        waiter = _p2p.start(comm, call.fn, sends, recv_from, tag, call, True)
+        waiter.wait()
+        me = comm.rank
+        return {src: sends[src] if src == me else waiter.results[src] for src in recv_from}
 
 
 TORCH = TorchBackend()

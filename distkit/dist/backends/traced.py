@@ -271,6 +271,19 @@ class TracedBackend(Backend):
     def all_to_all_object(self, comm: Comm, data: list[Any], call: ObjectCall) -> list[Any]:
         return _eager(comm).eager("all_to_all_object", data, call)
 
+    def send(
+        self, comm: Comm, data: Any, dst: int, tag: int, async_op: bool, call: ObjectCall
+    ) -> Result[None]:
+        return _eager(comm).eager("send", data, dst, tag, async_op, call)
+
+    def recv(self, comm: Comm, src: int, tag: int, async_op: bool, call: ObjectCall) -> Result[Any]:
+        return _eager(comm).eager("recv", src, tag, async_op, call)
+
+    def exchange(
+        self, comm: Comm, sends: dict[int, Any], recv_from: list[int], tag: int, call: ObjectCall
+    ) -> dict[int, Any]:
+        return _eager(comm).eager("exchange", sends, recv_from, tag, call)
+
 
 def _eager(comm: Comm) -> TracedComm:
     return comm  # type: ignore[return-value]  # this backend only ever gets a TracedComm

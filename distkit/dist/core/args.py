@@ -177,6 +177,41 @@ def rank(value: Any, name: str, fn: str, comm: Where) -> int:
     return number
 
 
+def peer(value: Any, name: str, fn: str, comm: Where) -> int:
+    """Check that ``value`` is a group rank of ``comm`` other than this one (the ``dst`` or
+    ``src`` of a point-to-point call: torch refuses a rank's message to itself too)."""
+    number = rank(value, name, fn, comm)
+    if number == comm.rank:
+        fail(
+            ValueError,
+            fn,
+            comm,
+            f"{name}={number} is this rank: a rank cannot send to or receive from itself",
+            "Name another rank of the group (dist.exchange returns this rank's own entry as "
+            "passed)",
+        )
+    return number
+
+
+def tag(value: Any, fn: str, comm: Where, limit: int) -> int:
+    """Check a point-to-point ``tag``: an int from 0 to ``limit - 1``."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None:
+        fail(TypeError, fn, comm, f"tag must be an int, got {show(value)}")
+    if not 0 <= number < limit:
+        fail(
+            ValueError,
+            fn,
+            comm,
+            f"tag={number} is out of range",
+            f"Tags are ints from 0 to {limit - 1}",
+        )
+    return number
+
+
 def tensor_list(
     value: Any, name: str, fn: str, comm: Where, *, same_shape: bool = False
 ) -> list[Tensor]:

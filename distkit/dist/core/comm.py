@@ -73,6 +73,8 @@ class _GroupFacts:
         "gid",
         "histories",
         "last_check",
+        "p2p",
+        "pairs",
         "pending",
         "rank",
         "ranks",
@@ -118,6 +120,12 @@ class _GroupFacts:
         # why the group cannot be used any more (a collective on it timed out, or a rank
         # went away: its ranks are out of step), or None
         self.broken: Optional[str] = None
+        # point to point: the state of each channel ((direction, peer, tag) -> its
+        # history, message count and receives in order: distkit.dist.backends.p2p) ...
+        self.pairs: dict[tuple[str, int, int], Any] = {}
+        # ... and the point-to-point calls threads wait in now, for the watchdog (token ->
+        # (public name, peers' group ranks, tag, thread ident))
+        self.p2p: dict[int, tuple[str, tuple[int, ...], int, int]] = {}
 
 
 # Keyed by id and holding the group only weakly: distkit never keeps a process group
@@ -194,13 +202,15 @@ class Comm:
         """Lower-case backend string of the group (``None`` in a single process)."""
         return None if self._facts is None else self._facts.backend_name
 
-    def enter(self, fn: str) -> int:
+    def enter(self, fn: str, count: bool = True) -> int:
         """Note that this thread entered a collective on the group; return its number.
 
         A process group serves one thread at a time: two threads in collectives on one
         group enqueue their work in an order the other ranks cannot follow, and the
         backend aborts the process (gloo) or deadlocks. The second thread raises here
-        instead. Threads may use different groups at once.
+        instead. Threads may use different groups at once. A point-to-point call
+        (``count=False``) holds the group too, but takes no number: only two of its ranks
+        take part, so the others' numbers would drift from its ranks'.
         """
         facts = self._facts
         if facts is None:
@@ -229,7 +239,8 @@ class Comm:
                 "group of its own (distkit.utils.get_group(ranks, timeout=...) makes one)",
             )
         facts.thread = me
-        facts.seq += 1
+        if count:
+            facts.seq += 1
         return facts.seq
 
     def history(self, kind: str, length: int) -> deque[list[int]]:

@@ -198,3 +198,34 @@ ROUND_STATUS = struct.Struct("<2q")
 
 #: Bytes per rank of the first round of debug mode's exchange: :data:`LENGTH`, then JSON
 EXCHANGE_SLOT = 4096
+
+# -- point to point: frames ---------------------------------------------------------------
+
+#: Every point-to-point message starts with a *frame*: this head (``kind, head bytes, frame
+#: bytes, number, apart, code, ndim, 0``), then a tensor's dims (int64 each), zeros up to
+#: a multiple of :data:`P2P_ALIGN` bytes, then the inline body (a tensor's bytes, an
+#: encoded object's CPU part, a failure's message). ``frame bytes`` counts the head and
+#: the inline body; ``number`` counts the messages of its channel (sender, receiver, tag)
+#: from 1; ``apart`` is how many messages of exact size follow the frame (a large
+#: tensor's bytes; an object's large tensors, then its device part); ``code`` is a
+#: tensor's dtype code (:data:`DTYPE_NAMES`), or a failure's error code; ``ndim`` is a
+#: tensor's number of dims, or a failure's message bytes.
+P2P_HEAD = struct.Struct("<8q")
+#: Heads are padded to this many bytes, so the body behind stays aligned for every dtype.
+P2P_ALIGN = 64
+#: What a frame carries: a tensor, an encoded object, or a failure of the sender.
+P2P_TENSOR, P2P_OBJECT, P2P_FAILED = 0, 1, 2
+#: The bytes of a frame a receiver takes in its first message when the channel has no
+#: history (a longer frame sends the rest in a second message of exact size).
+P2P_MIN_CAPACITY = 4096
+#: Tags on the wire are the caller's tag plus this: they never meet the tags of the
+#: messages distkit's collectives send point to point (0, and iter_results' own).
+P2P_TAG_BASE = 1 << 30
+#: The caller's tags are below this (gloo's tags are non-negative int32s).
+P2P_TAGS = 1 << 30
+
+
+def p2p_head_bytes(ndim: int) -> int:
+    """The bytes of a frame's head with ``ndim`` dims (a multiple of :data:`P2P_ALIGN`)."""
+    n = P2P_HEAD.size + 8 * ndim
+    return (n + P2P_ALIGN - 1) // P2P_ALIGN * P2P_ALIGN

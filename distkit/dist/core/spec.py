@@ -37,6 +37,9 @@ class Spec(NamedTuple):
     #: an expression of the parameters, and the conditions (parameter -> condition)
     #: under which the shortcut returns it; ``None`` when the collective has none.
     shortcut: Optional[tuple[str, dict[str, Any]]] = None
+    #: Whether it is a point-to-point call (between pairs of ranks, not the whole group):
+    #: it takes no call number on the group, and debug mode checks it with its peer.
+    point_to_point: bool = False
 
 
 _SIZES = (
@@ -45,6 +48,10 @@ _SIZES = (
 )
 _PICKLES = "pickles objects, which cannot be traced"
 _BLOCKS = "blocks, which cannot be traced"
+_PAIRS = (
+    "moves data point to point, with shapes only the sender knows (and pickles objects), "
+    "which cannot be traced"
+)
 
 #: Every collective, by backend method.
 SPECS: dict[str, Spec] = {
@@ -123,6 +130,11 @@ SPECS: dict[str, Spec] = {
     "broadcast_object": Spec("broadcast_object", ("src", "serializer"), None, _PICKLES),
     "scatter_object": Spec("scatter_object", ("src", "serializer"), None, _PICKLES),
     "all_to_all_object": Spec("all_to_all_object", ("serializer",), None, _PICKLES),
+    # point to point: nothing must match across the group; a send pairs with its peer's
+    # recv (see distkit.dist.guard.pairs)
+    "send": Spec("send", (), None, _PAIRS, point_to_point=True),
+    "recv": Spec("recv", (), None, _PAIRS, point_to_point=True),
+    "exchange": Spec("exchange", (), None, _PAIRS, point_to_point=True),
 }
 
 #: What every rank must pass alike, by backend method (debug mode, the default check)

@@ -215,7 +215,14 @@ def check(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
     ]
     for r, c in enumerate(calls):
         lines.append(f"  rank {r}: {format_call(c)}")
-    if len({c["call"] for c in calls}) > 1:
+    pairs = [r for r, c in enumerate(calls) if c.get("must") == {"point_to_point": True}]
+    if pairs:
+        lines.append(
+            f"Rank(s) {', '.join(map(str, pairs))} wait in a point-to-point call for a rank "
+            "that waits here: a collective cannot start until that call is served (send "
+            "and receive before the collective, in the same order on both ranks)."
+        )
+    elif len({c["call"] for c in calls}) > 1:
         lines.append(
             "Every rank must call the same collectives in the same order; a rank "
             "that skips one (a branch on the rank, an early return) shows up here "

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from distkit import _settings
 from distkit.dist import errors
+from distkit.dist.core.spec import SPECS
 from distkit.dist.guard import check as _check
-from distkit.dist.guard import debugmode, diagnose
+from distkit.dist.guard import debugmode, diagnose, pairs
 from distkit.dist.guard import record as _record
 from distkit.dist.guard import watchdog as _watchdog
 from distkit.dist.handle import Handle
@@ -98,8 +99,16 @@ _ALWAYS_CHECKED = "profile"
 
 
 def watched(method: F) -> F:
-    """Wrap a backend method ``method(self, comm, *args)`` with the checks above."""
+    """Wrap a backend method ``method(self, comm, *args)`` with the checks above.
+
+    A point-to-point method (its spec says so) takes the group like a collective (one
+    thread at a time) but no call number; its messages are numbered per channel, and
+    checked and diagnosed per message, by the backend through
+    :mod:`distkit.dist.guard.pairs`.
+    """
     name = method.__name__
+    if SPECS[name].point_to_point:
+        return _watched_pair(method)
     params = list(inspect.signature(method).parameters)[2:]  # after self and comm
     call_at = params.index("call") if "call" in params else -1  # object calls: public name
     settings = _settings.values  # read directly: this runs on every collective
@@ -121,7 +130,8 @@ def watched(method: F) -> F:
         try:
             if settings.get("debug", _DEBUG_DEFAULT):
                 _, fields, must = debugmode.signature(name, dict(zip(params, args)))
-                debugmode.check(comm, public, fields, must, seq)
+                with pairs.in_collective(comm, public, fields, seq):
+                    debugmode.check(comm, public, fields, must, seq)
             elif (
                 facts is not None
                 and facts.size > 1
@@ -159,5 +169,23 @@ def watched(method: F) -> F:
             ranks = comm.global_ranks()
             recorder.add(facts.gid, ranks, seq, public, args, sys._getframe(1), entered)
         return result
+
+    return run  # type: ignore[return-value]
+
+
+def _watched_pair(method: F) -> F:
+    name = method.__name__
+
+    @functools.wraps(method)
+    def run(self: Any, comm: Comm, *args: Any) -> Any:
+        if getattr(_local, "depth", 0):  # inside another call: watched there
+            return method(self, comm, *args)
+        comm.enter(name, count=False)
+        _local.depth = 1
+        try:
+            return method(self, comm, *args)
+        finally:
+            _local.depth = 0
+            comm.leave()
 
     return run  # type: ignore[return-value]

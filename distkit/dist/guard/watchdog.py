@@ -217,9 +217,10 @@ def _ranks_of(facts: Any) -> list[int]:
 
 def state(board: _board.Board) -> dict:
     """Where this rank is: the collectives it waits in (``in``), those it has in flight
-    (``flight``, ``async_op=True``), and its main thread's line (``at``)."""
+    (``flight``, ``async_op=True``), the point-to-point calls it waits in (``p2p``), and
+    its main thread's line (``at``)."""
     frames = sys._current_frames()
-    inside, flight = [], []
+    inside, flight, pairs = [], [], []
     busy = set()
     for facts in _facts():
         call, thread = facts.call, facts.thread
@@ -239,11 +240,30 @@ def state(board: _board.Board) -> dict:
         for seq, (pending, handle) in list(facts.pending.items()):
             if handle() is not None:
                 flight.append({"group": ranks, "gid": facts.gid, "seq": seq, "call": pending[0]})
+        for public, peers, tag, ident in list(facts.p2p.values()):
+            busy.add(ident)
+            pairs.append(
+                {
+                    "group": ranks,
+                    "gid": facts.gid,
+                    "call": public,
+                    "peers": [ranks[p] for p in peers if 0 <= p < len(ranks)],
+                    "tag": tag,
+                    "site": debugmode.call_site(frames.get(ident)),
+                }
+            )
     main = threading.main_thread().ident
     at = None
     if main not in busy and main in frames:
         at = debugmode.call_site(frames[main])
-    return {"rank": board.rank, "in": inside, "flight": flight, "at": at, "pid": os.getpid()}
+    return {
+        "rank": board.rank,
+        "in": inside,
+        "flight": flight,
+        "p2p": pairs,
+        "at": at,
+        "pid": os.getpid(),
+    }
 
 
 def _report(board: _board.Board, facts: Any, call: str, seq: int, waited: float) -> None:
@@ -310,6 +330,13 @@ def _stuck_text(
             lines.append(
                 f"  rank {r} has not arrived: it waits in {other['call']} on group "
                 f"{other['group']} at {other['site']}"
+            )
+        elif answer.get("p2p"):
+            other = answer["p2p"][0]
+            peers = ", ".join(f"rank {p}" for p in other["peers"])
+            lines.append(
+                f"  rank {r} has not arrived: it waits in {other['call']} with {peers} (tag "
+                f"{other['tag']}) at {other['site']}"
             )
         else:
             lines.append(

@@ -1,0 +1,486 @@
+"""Point to point: send, recv, isend, irecv and exchange of tensors of any shape and dtype
+and of any objects, in order, on tags, in rings; and every error on both ranks."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from conftest import WORLDS, debug_mode, in_fresh_world, world
+from test_objects import check_payload, make
+
+import distkit.dist as dist
+from distkit import _settings
+from distkit.dist.backends import p2p as _p2p
+from distkit.testing import ranks
+from distkit.utils import get_group
+
+F8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
+
+
+def tensors(rank: int) -> list[torch.Tensor]:
+    """A tensor of every dtype distkit moves, and of every awkward layout, by rank."""
+    base = torch.arange(24, dtype=torch.float32).view(2, 3, 4) + rank
+    out = [
+        torch.tensor([True, rank % 2 == 0, False]),
+        torch.arange(5, dtype=torch.uint8) + rank,
+        torch.arange(-3, 3, dtype=torch.int8) * (rank + 1),
+        torch.tensor([-(2**15), 2**15 - 1, rank], dtype=torch.int16),
+        torch.tensor([2**31 - 1, -(2**31), rank], dtype=torch.int32),
+        torch.tensor([2**62, -(2**62), rank], dtype=torch.int64),
+        torch.tensor([2**16 - 1, rank], dtype=torch.uint16),
+        torch.tensor([2**32 - 1, rank], dtype=torch.uint32),
+        torch.tensor([2**63 + 5, rank], dtype=torch.uint64),
+        torch.tensor([0.5, -1.25, rank], dtype=torch.float16),
+        torch.tensor([0.5, 1e30, rank], dtype=torch.bfloat16),
+        torch.tensor([1.5, rank], dtype=torch.float64),
+        torch.tensor([complex(rank, -1), 2j], dtype=torch.complex64),
+        torch.tensor([complex(1, rank)], dtype=torch.complex128),
+        torch.tensor([complex(1, rank)], dtype=torch.complex64).conj(),  # a lazy conjugate
+        -torch.tensor([1.0, rank]),
+        torch.tensor(rank * 2.5),  # 0-d
+        torch.empty(0, 7),  # empty
+        torch.empty(3, 0, dtype=torch.int64),
+        base.transpose(0, 2),  # non-contiguous
+        base[:, ::2, 1:],  # a strided view
+        torch.ones(2, 1).expand(2, 5),  # expanded: one element shared by a row
+        torch.zeros([1] * 30),  # more dims than the smallest capacity's head holds inline
+        *[torch.tensor([0.5, -2.0, rank]).to(dtype) for dtype in F8],
+    ]
+    return out
+
+
+def same(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    assert isinstance(got, torch.Tensor), what
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got, want)
+    assert got.is_contiguous() and got.device.type == "cpu", what
+    assert not got.is_conj() and not got.is_neg(), what
+    assert not got.requires_grad, what
+    left = got.resolve_conj().resolve_neg()
+    right = want.resolve_conj().resolve_neg()
+    if want.dtype in F8:
+        left, right = left.view(torch.uint8), right.contiguous().view(torch.uint8)
+    assert torch.equal(left, right), (what, got, want)
+
+
+# -- a world of one rank -------------------------------------------------------------------
+
+
+@ranks(0, 1)
+def test_a_world_of_one_exchanges_with_itself_and_refuses_send_and_recv():
+    x, obj = torch.ones(2), {"a": [1]}
+    out = dist.exchange({0: x}, [0])
+    assert list(out) == [0] and out[0] is x
+    assert dist.exchange({0: obj}, [0])[0] is obj
+    assert dist.exchange({}, []) == {}
+    for call in (
+        lambda: dist.send(x, 0),
+        lambda: dist.recv(0),
+        lambda: dist.isend(x, 0),
+        lambda: dist.irecv(0),
+    ):
+        with pytest.raises(ValueError, match="is this rank: a rank cannot send to or receive"):
+            call()
+    with pytest.raises(ValueError, match="dst=1 is out of range for a group of size 1"):
+        dist.send(x, 1)
+
+
+# -- every dtype, every layout ----------------------------------------------------------------
+
+
+@ranks(*WORLDS)
+def test_a_ring_exchange_moves_every_dtype_and_layout():
+    rank, size = world()
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    mine, theirs = tensors(rank), tensors(prv)
+    for i, t in enumerate(mine):
+        got = dist.exchange({nxt: t}, [prv])
+        assert list(got) == [prv]
+        if prv == rank:
+            assert got[prv] is t  # this rank's own entry, as passed
+        else:
+            same(got[prv], theirs[i], f"tensor {i}")
+
+
+@ranks(*WORLDS)
+def test_send_and_recv_every_dtype_from_rank_0():
+    rank, size = world()
+    if size == 1:
+        with pytest.raises(ValueError):
+            dist.send(torch.ones(1), 0)
+        return
+    if rank == 0:
+        for dst in range(1, size):
+            for t in tensors(dst):
+                assert dist.send(t, dst) is None
+    else:
+        for i, want in enumerate(tensors(rank)):
+            same(dist.recv(0), want, f"tensor {i}")
+
+
+@ranks(2, 3)
+def test_tensors_that_require_grad_arrive_without_history_and_large_ones_own_their_memory():
+    rank = dist.get_rank()
+    big = torch.arange((_p2p.TENSOR_INLINE // 4) + 100, dtype=torch.float32)  # sent apart
+    medium = torch.arange(500_000, dtype=torch.float32)  # 2 MB, in its frame
+    if rank == 0:
+        dist.send(torch.ones(3, requires_grad=True) * 2, 1)
+        dist.send(big, 1)
+        dist.send(medium, 1)
+        dist.send(medium[:10].clone(), 1)  # small after medium: copied out of its buffer
+    elif rank == 1:
+        got = dist.recv(0)
+        assert not got.requires_grad and got.tolist() == [2.0] * 3
+        large = dist.recv(0)
+        assert torch.equal(large, big)
+        assert large.untyped_storage().nbytes() == large.numel() * 4
+        assert torch.equal(dist.recv(0), medium)
+        small = dist.recv(0)
+        assert small.untyped_storage().nbytes() == 40 and small.tolist() == medium[:10].tolist()
+
+
+# -- objects ----------------------------------------------------------------------------------
+
+
+@ranks(*WORLDS)
+def test_objects_with_tensors_inside_travel_in_a_ring():
+    rank, size = world()
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    mine = make(rank)
+    got = dist.exchange({nxt: mine}, [prv])[prv]
+    if prv == rank:
+        assert got is mine
+    else:
+        check_payload(got, prv)
+
+
+@ranks(2, 3)
+def test_large_tensors_in_objects_arrive_apart_in_memory_of_their_own():
+    rank = dist.get_rank()
+    feats = [torch.full((300_000,), float(i)) for i in range(8)]  # 9.6 MB in all
+    if rank == 0:
+        dist.send({"feats": feats, "small": torch.arange(3), "name": "x"}, 1)
+        dist.send([feats[0], feats[0]], 1)  # one tensor twice: one object on arrival
+    elif rank == 1:
+        got = dist.recv(0)
+        assert got["name"] == "x" and got["small"].tolist() == [0, 1, 2]
+        for i, t in enumerate(got["feats"]):
+            assert torch.equal(t, feats[i])
+            assert t.untyped_storage().nbytes() == t.numel() * 4  # its own memory
+        twice = dist.recv(0)
+        assert twice[0] is twice[1] and torch.equal(twice[0], feats[0])
+
+
+@ranks(2, 3)
+def test_an_object_that_cannot_be_pickled_raises_on_both_ranks():
+    rank, _ = world()
+    if rank == 0:
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            dist.send({"lock": threading.Lock()}, 1)
+        dist.send("after", 1)  # the pair is still in step
+    elif rank == 1:
+        with pytest.raises(TypeError, match="rank 0 could not send its object"):
+            dist.recv(0)
+        assert dist.recv(0) == "after"
+
+
+# -- order, tags, handles -------------------------------------------------------------------
+
+
+def _shapes(k: int) -> torch.Tensor:
+    """Message k of a sequence whose sizes grow, shrink and jump past the capacities."""
+    n = [3, 3, 3, 5000, 10, 0, 200_000, 200_000, 7, 1_200_000][k % 10] + k
+    return torch.arange(n, dtype=torch.int32)
+
+
+@ranks(2, 3, 4)
+def test_messages_arrive_in_order_and_tags_are_streams_of_their_own():
+    rank = dist.get_rank()
+    if rank == 0:  # sends that wait for their receive would wait here for tag 0's
+        handles = [dist.isend(_shapes(k), 1, tag=k % 2) for k in range(20)]
+        for h in handles:
+            h.wait()
+    elif rank == 1:
+        odd = [dist.recv(0, tag=1) for _ in range(10)]  # gloo: tag 1 first, tag 0 waits
+        even = [dist.recv(0, tag=0) for _ in range(10)]
+        for j in range(10):
+            assert torch.equal(even[j], _shapes(2 * j)), j
+            assert torch.equal(odd[j], _shapes(2 * j + 1)), j
+
+
+@ranks(2, 3, 4)
+def test_async_handles_return_what_was_sent_whatever_order_they_are_waited_in():
+    rank = dist.get_rank()
+    if rank == 0:
+        handles = [dist.isend(_shapes(k), 1) for k in range(12)]
+        handles.append(dist.isend({"k": "last"}, 1))
+        for h in reversed(handles):
+            assert h.wait() is None
+        assert all(h.is_completed() for h in handles)
+    elif rank == 1:
+        handles = [dist.irecv(0) for _ in range(13)]
+        for k in reversed(range(12)):
+            assert torch.equal(handles[k].wait(), _shapes(k)), k
+        assert handles[12].wait() == {"k": "last"}
+        assert dist.recv(0, async_op=True).wait() == "sync"
+    if rank == 0:
+        assert dist.send("sync", 1, async_op=True).wait() is None
+
+
+@ranks(2, 3, 4)
+def test_each_rank_sends_first_then_receives_with_isend():
+    rank, size = world()
+    peer = rank ^ 1
+    if peer >= size:
+        return
+    handle = dist.isend(torch.full((rank + 1,), rank), peer)
+    got = dist.recv(peer)
+    handle.wait()
+    assert got.tolist() == [peer] * (peer + 1)
+
+
+# -- rings and pairings ------------------------------------------------------------------------
+
+
+@ranks(*WORLDS)
+def test_ring_exchanges_of_changing_shapes_never_deadlock():
+    rank, size = world()
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    for step in range(8):
+        n = [10, 10, 100_000, 3, 2_000_000, 2_000_000, 0, 50][step]
+        mine = torch.full((n + rank,), float(rank * 100 + step))
+        got = dist.exchange({nxt: mine}, [prv])[prv]
+        if prv == rank:
+            assert got is mine
+        else:
+            assert got.tolist() == [float(prv * 100 + step)] * (n + prv)
+
+
+@ranks(*WORLDS)
+def test_an_exchange_with_every_rank():
+    rank, size = world()
+    sends = {d: {"from": rank, "to": d, "t": torch.arange(rank + d)} for d in range(size)}
+    got = dist.exchange(sends, list(reversed(range(size))))
+    assert list(got) == list(reversed(range(size)))
+    assert got[rank] is sends[rank]
+    for s, obj in got.items():
+        assert obj["from"] == s and obj["to"] == rank and obj["t"].tolist() == list(range(s + rank))
+
+
+@ranks(3, 4)
+def test_exchange_pairs_with_plain_send_and_recv_on_a_sub_group():
+    rank = dist.get_rank()
+    group = get_group([1, 2])  # creating a group is collective: every rank
+    if rank == 1:  # group rank 0 of [1, 2]
+        assert dist.exchange({1: torch.ones(2)}, [1], group=group)[1].tolist() == [2.0]
+    elif rank == 2:  # group rank 1
+        handle = dist.irecv(0, group=group)
+        dist.send(torch.full((1,), 2.0), 0, group=group)
+        assert handle.wait().tolist() == [1.0, 1.0]
+
+
+# -- errors: timeouts, debug mode ------------------------------------------------------------
+
+
+@ranks(2, timeout=60)
+def test_a_recv_whose_peer_never_sends_names_the_peer_and_where_it_is():
+    rank, _ = world()
+    _settings.set("hang_grace", 2.0)
+    group = get_group([0, 1], timeout=2)
+    if rank == 0:
+        with pytest.raises(dist.CollectiveTimeoutError) as info:
+            dist.recv(1, group=group)
+        text = str(info.value)
+        assert "recv timed out on rank 0, waiting to recv message #1 from rank 1" in text, text
+        assert "Rank 1 is at tests/test_p2p.py:" in text and "not in a distkit call" in text
+        assert info.value.missing == [1]
+        with pytest.raises(RuntimeError, match="cannot be used any more"):
+            dist.recv(1, group=group)
+    else:
+        time.sleep(5)  # busy elsewhere, in no distkit call
+    dist.barrier()  # the default group was never involved
+
+
+@ranks(2, timeout=60)
+def test_two_ranks_that_both_receive_are_named_at_the_timeout():
+    rank, _ = world()
+    _settings.set("hang_grace", 2.0)
+    group = get_group([0, 1], timeout=2)
+    if rank == 0:
+        with pytest.raises(dist.CollectiveTimeoutError) as info:
+            dist.recv(1, group=group)
+        text = str(info.value)
+        assert "Rank 1 is waiting in irecv with this rank (rank 0), tag 0, at" in text, text
+    else:  # waits longer than the group's timeout: rank 0 times out first
+        handle = dist.irecv(0, group=group)
+        with pytest.raises(dist.CollectiveTimeoutError) as info:
+            handle.wait(timeout=8)
+        text = str(info.value)  # gloo closed the pair when rank 0's wait timed out
+        assert "rank 0 closed the connection while this rank was waiting to recv" in text, text
+    dist.barrier()
+
+
+def _both_ways(call_0, call_1) -> str:
+    """In debug mode, rank 0 and 1 make their calls: both must raise the mismatch, listing
+    both calls and call sites, within seconds; returns this rank's message."""
+    rank, size = world()
+    start = time.monotonic()
+    with debug_mode(), pytest.raises(dist.CollectiveMismatchError) as info:
+        (call_0 if rank == 0 else call_1)()
+    assert time.monotonic() - start < 15, "raised only after a timeout"
+    text = str(info.value)
+    assert f"(debug mode; on rank {rank} of {size})" in text, text
+    assert "  rank 0: " in text and "  rank 1: " in text, text
+    assert text.count("tests/test_p2p.py:") >= 2, "both call sites are named"
+    return text
+
+
+@ranks(2, 3)
+def test_debug_mode_two_ranks_that_send_to_each_other():
+    rank = dist.get_rank()
+    if rank > 1:
+        return
+    x = torch.ones(3)
+    text = _both_ways(lambda: dist.send(x, 1), lambda: dist.send(x, 0))
+    assert "rank 0 and rank 1 both send to each other" in text or (
+        "rank 1 and rank 0 both send to each other" in text
+    ), text
+    assert "send(dst=1, tag=0, data={'dtype': 'float32', 'shape': [3]})" in text
+    # nothing was sent: the pair goes on in step
+    got = dist.exchange({1 - rank: torch.tensor([rank])}, [1 - rank])
+    assert got[1 - rank].tolist() == [1 - rank]
+
+
+@ranks(2, 3)
+def test_debug_mode_two_ranks_that_receive_from_each_other():
+    rank = dist.get_rank()
+    if rank > 1:
+        return
+    text = _both_ways(lambda: dist.recv(1), lambda: dist.recv(0))
+    assert "both wait to receive from each other, and neither sends" in text, text
+    if rank == 0:
+        dist.send("fine", 1)
+    else:
+        assert dist.recv(0) == "fine"
+
+
+@ranks(2, 3)
+def test_debug_mode_different_tags():
+    rank, _ = world()
+    if rank > 1:
+        return
+    text = _both_ways(lambda: dist.send(torch.ones(1), 1, tag=1), lambda: dist.recv(0, tag=2))
+    assert "the tags differ" in text, text
+
+
+@ranks(2, 3)
+def test_debug_mode_a_collective_met_by_a_send():
+    rank, size = world()
+
+    def collective():
+        dist.all_reduce(torch.ones(2))
+
+    def sending():
+        dist.send(torch.ones(2), 0)
+
+    text = _both_ways(collective, sending) if rank <= 1 else None
+    if rank == 2:  # in the collective too: it sees rank 1's send in the check
+        with debug_mode(), pytest.raises(dist.CollectiveMismatchError) as info:
+            collective()
+        text = str(info.value)
+    assert text is not None
+    assert "send(dst=0, tag=0" in text and "all_reduce(data=" in text, text
+    assert dist.all_reduce(torch.ones(1)).item() == size  # nothing ran: still in step
+
+
+@ranks(2, 3)
+def test_debug_mode_accepts_what_pairs_up():
+    rank, size = world()
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    with debug_mode():
+        got = dist.exchange({nxt: torch.tensor([rank])}, [prv])
+        assert got[prv].tolist() == [prv]
+        if rank <= 1:
+            peer = 1 - rank
+            handle = dist.isend({"r": rank}, peer)
+            assert dist.recv(peer) == {"r": peer}
+            handle.wait()
+            if rank == 0:
+                dist.send(torch.ones(2), 1, tag=3)
+                dist.send(torch.ones(3), 1, tag=3)
+            else:
+                assert dist.recv(0, tag=3).shape == (2,)
+                assert dist.irecv(0, tag=3).wait().shape == (3,)
+        dist.barrier()
+
+
+# -- memory --------------------------------------------------------------------------------
+
+
+def _peak_rss_of_a_64_mib_object() -> int:
+    """Rank 0 sends 64 MiB of tensors in an object; rank 1 returns how much its peak
+    resident memory grew while it received it (the received object still held)."""
+    rank = dist.get_rank()
+    if rank == 0:
+        payload = [{"i": i, "x": torch.full((1 << 18,), float(i))} for i in range(64)]
+        dist.barrier()
+        dist.send(payload, 1)
+        dist.barrier()
+        return 0
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak to the present
+    before = _status("VmRSS")
+    dist.barrier()
+    got = dist.recv(0)
+    peak = _status("VmHWM") - before
+    assert [d["i"] for d in got] == list(range(64))
+    assert all(d["x"][0].item() == float(d["i"]) for d in got)
+    dist.barrier()
+    return peak
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
+def test_the_receivers_peak_memory_is_at_most_a_fifth_above_the_payload():
+    peak = in_fresh_world(_peak_rss_of_a_64_mib_object, 2)[1]
+    payload = 64 << 20
+    assert peak <= 1.2 * payload, f"peak grew by {peak / payload:.2f}x the payload"
+
+
+@ranks(2, 3)
+def test_the_exact_size_path_of_nccl_on_gloo():
+    """NCCL needs receive buffers of exactly the message's size: frames padded to steady
+    capacities, or sent whole in two messages, and each exchange round batched. Gloo takes
+    those messages too, so the path NCCL takes is checked here without a GPU."""
+    rank, size = world()
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    exact = _p2p.exact
+    _p2p.exact = lambda comm: True
+    try:
+        for step in range(12):
+            n = [3, 3, 3, 3, 5000, 5001, 5002, 100_000, 0, 2_000_000, 7, 7][step]
+            mine = torch.full((n + rank,), float(rank * 100 + step))
+            got = dist.exchange({nxt: mine}, [prv])[prv]
+            assert got.tolist() == [float(prv * 100 + step)] * (n + prv), step
+        got = dist.exchange({nxt: make(rank)}, [prv])[prv]
+        check_payload(got, prv)
+        if rank == 0:
+            for k in range(10):
+                dist.send(_shapes(k), 1)
+            dist.isend({"k": "last"}, 1).wait()
+        elif rank == 1:
+            for k in range(10):
+                assert torch.equal(dist.recv(0), _shapes(k)), k
+            assert dist.irecv(0).wait() == {"k": "last"}
+    finally:
+        _p2p.exact = exact
