@@ -4,6 +4,7 @@ and of any objects, in order, on tags, in rings; and every error on both ranks."
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -455,6 +456,52 @@ def test_the_receivers_peak_memory_is_at_most_a_fifth_above_the_payload():
     peak = in_fresh_world(_peak_rss_of_a_64_mib_object, 2)[1]
     payload = 64 << 20
     assert peak <= 1.2 * payload, f"peak grew by {peak / payload:.2f}x the payload"
+
+
+# -- profile ---------------------------------------------------------------------------------
+
+
+def _line() -> int:
+    return sys._getframe(1).f_lineno
+
+
+@ranks(0, 2, 3)
+def test_a_profile_shows_each_side_at_its_site_and_blames_a_late_sender():
+    rank, size = world()
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    with dist.profile() as prof:
+        dist.exchange({nxt: torch.ones(4)}, [prv])
+        ring_at = _line() - 1
+        if rank == 0 and size > 1:
+            time.sleep(0.3)  # rank 1 waits in its recv for this send
+            dist.send(torch.ones(8), 1)
+            send_at = _line() - 1
+            dist.isend("an object", 1).wait()
+        elif rank == 1:
+            dist.recv(0)
+            recv_at = _line() - 1
+            dist.irecv(0).wait()
+    every = dist.all_gather_object(prof.rows)
+    assert all(rows == every[0] for rows in every), every
+    rows = {(r.op, int(r.site.rsplit(":", 1)[1])): r for r in prof.rows}
+    assert all(r.site.startswith("tests/test_p2p.py:") for r in prof.rows), prof.rows
+    ring = rows["exchange", ring_at]
+    assert ring.calls == size and set(ring.late) == set(range(size))
+    assert ring.bytes == (0 if size == 1 else 16 * size)
+    if size == 1:
+        assert len(rows) == 1 and ring.late == {0: 0.0}
+        return
+    assert sorted(op for op, _ in rows) == ["exchange", "irecv", "isend", "recv", "send"]
+    sent = next(r for (op, _), r in rows.items() if op == "send")
+    got = next(r for (op, _), r in rows.items() if op == "recv")
+    assert (sent.calls, sent.bytes, got.calls, got.bytes) == (1, 32, 1, 32)
+    assert set(sent.late) == {0} and set(got.late) == {1}
+    assert sent.late[0] >= 0.25, sent  # the late sender is blamed at its send ...
+    assert got.late[1] < 0.1 and got.seconds >= 0.25, got  # ... the receiver waited
+    if rank == 0:
+        assert sent.site.endswith(f":{send_at}")
+    elif rank == 1:
+        assert got.site.endswith(f":{recv_at}")
 
 
 @ranks(2, 3)

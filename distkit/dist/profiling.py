@@ -1,12 +1,13 @@
 """Who makes everyone wait, and where: a communication profile that blames a rank and a line.
 
 ``with dist.profile() as prof:`` records every distkit collective of every rank inside
-the block (tensor and object collectives, the evaluation collectors), locally: the
-collective, the user's call site, the group, the bytes, and when the rank entered and
-left it. Nothing is sent per call. When the block ends normally, one collective merges
-the records, and every rank holds the same :attr:`Profile.rows`: per collective and call
-site, how many calls, how many bytes, how long they took, and how late each rank arrived
-at them, summed (``late``): the rank that makes everyone wait, and the line where it does.
+the block (tensor and object collectives, the evaluation collectors, point-to-point
+calls), locally: the collective, the user's call site, the group, the bytes, and when the
+rank entered and left it. Nothing is sent per call. When the block ends normally, one
+collective merges the records, and every rank holds the same :attr:`Profile.rows`: per
+collective and call site, how many calls, how many bytes, how long they took, and how
+late each rank arrived at them, summed (``late``): the rank that makes everyone wait, and
+the line where it does.
 
 Arrival times are compared on one clock: when the block starts, each rank's offset from
 the first rank of the group is estimated (a barrier, then each rank's clock, three times),
@@ -149,7 +150,10 @@ def profile(trace: Optional[str] = None, group: GroupLike = None) -> Profile:
     outside a profile nothing is recorded. When the block ends with an exception, nothing
     is merged (the other ranks may not be there): :attr:`Profile.rows` stays ``None`` and
     :attr:`Profile.records` holds what this rank recorded. Calls on sub-groups and mesh
-    dimensions are attributed to their own group's ranks. Collectives traced by
+    dimensions are attributed to their own group's ranks. Point-to-point calls
+    (:func:`~distkit.dist.send`, :func:`~distkit.dist.recv`, :func:`~distkit.dist.exchange`)
+    are rows of each side at its own site: a rank is late there by how long after the
+    first of its peers (on the messages they share) it arrived. Collectives traced by
     ``torch.compile`` run without Python and are not recorded.
 
     Args:
@@ -278,9 +282,14 @@ def _rows(entries: list[tuple[int, _record.Entry]], offsets: dict[int, float]) -
     """Every rank's records, as rows (the same on every rank: a function of the records)."""
     calls: dict[tuple, list[tuple[int, _record.Entry]]] = {}
     seen: dict[tuple, int] = {}
+    first_at = _pairs_first(entries, offsets)
     for rank, e in entries:
-        if e.gid:  # a call of a group: one key on every rank of it
-            key: tuple = (e.gid, e.seq)
+        if e.gid.startswith(_record.PAIRS):  # one rank's side of point-to-point messages
+            mine = (rank, e.gid)
+            seen[mine] = n = seen.get(mine, 0) + 1
+            key: tuple = (e.gid, rank, n)
+        elif e.gid:  # a call of a group: one key on every rank of it
+            key = (e.gid, e.seq)
         else:  # it sent nothing (or no process group): the n-th call at its site, by rank
             local = (rank, e.op, e.file, e.line)
             seen[local] = n = seen.get(local, 0) + 1
@@ -297,6 +306,8 @@ def _rows(entries: list[tuple[int, _record.Entry]], offsets: dict[int, float]) -
         row["seconds"] += sum(e.leave - e.enter for _, e in got) / len(got)
         arrived = {r: e.enter - offsets.get(r, 0.0) for r, e in got}
         start = min(arrived.values())
+        if key[0].startswith(_record.PAIRS):  # late for the peers that waited for it
+            start = min([start, *(first_at[m] for m in _messages(first.gid))])
         for r, at in arrived.items():  # nobody waits for a call that sends nothing
             late = max(at - start, 0.0) if key[0] else 0.0
             row["late"][r] = row["late"].get(r, 0.0) + late
@@ -304,6 +315,24 @@ def _rows(entries: list[tuple[int, _record.Entry]], offsets: dict[int, float]) -
         ProfileRow(op, site, v["calls"], v["bytes"], v["seconds"], dict(sorted(v["late"].items())))
         for (op, site), v in rows.items()
     ]
+
+
+def _messages(gid: str) -> list[str]:
+    """The keys of the messages of a point-to-point entry (see :data:`_record.PAIRS`)."""
+    return [m for m in gid[len(_record.PAIRS) :].split(";") if m]
+
+
+def _pairs_first(
+    entries: list[tuple[int, _record.Entry]], offsets: dict[int, float]
+) -> dict[str, float]:
+    """By point-to-point message: when the first of its two ends arrived (one clock)."""
+    first: dict[str, float] = {}
+    for rank, e in entries:
+        if e.gid.startswith(_record.PAIRS):
+            at = e.enter - offsets.get(rank, 0.0)
+            for m in _messages(e.gid):
+                first[m] = min(first.get(m, at), at)
+    return first
 
 
 def _write_trace(
@@ -321,15 +350,16 @@ def _write_trace(
         )
     for rank, e in entries:
         start = e.enter - offsets.get(rank, 0.0) - origin
+        pair = e.gid.startswith(_record.PAIRS)
         events.append(
             {
                 "name": f"{e.op} {_site(e.file, e.line)}",
-                "cat": e.gid or "single",
+                "cat": "point to point" if pair else e.gid or "single",
                 "ph": "X",
                 "ts": round(start * 1e6, 3),
                 "dur": round((e.leave - e.enter) * 1e6, 3),
                 "pid": rank,
-                "tid": f"group {list(e.ranks)}",
+                "tid": "point to point" if pair else f"group {list(e.ranks)}",
                 "args": {"call": e.seq, "bytes": e.nbytes},
             }
         )

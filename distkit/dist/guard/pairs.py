@@ -51,6 +51,8 @@ from distkit.dist.core.comm import _FACTS, Comm
 from distkit.dist.errors import CollectiveMismatchError, CollectiveTimeoutError, RankGoneError
 from distkit.dist.guard import board as _board
 from distkit.dist.guard import debugmode, diagnose
+from distkit.dist.guard import record as _record
+from distkit.dist.handle import Handle
 
 if TYPE_CHECKING:
     from distkit.dist.guard.board import Board
@@ -381,6 +383,37 @@ def _join(comm: Comm, public: str, mine: dict, marker: dict, waited: Op, them: i
     for r, c in zip(ranks, calls):
         lines.append(f"  rank {r}: {debugmode.format_call(c)}")
     return CollectiveMismatchError("\n".join(lines), calls)
+
+
+# -- a profile's entry ----------------------------------------------------------------------
+
+
+def recorded(comm: Comm, name: str, args: tuple, result: Any) -> tuple[str, list[int], tuple]:
+    """What a profile records of point-to-point call ``name`` (a backend method, called
+    with ``args``, that returned ``result``): the entry's ``gid`` (:data:`record.PAIRS`
+    and the keys of the messages it made, the same at their other ends), the global ranks
+    it involved, and the tensors whose bytes count (what it sent; a recv: what came)."""
+    facts = comm._facts
+    assert facts is not None
+    me = comm.rank
+    counted: tuple
+    if name == "send":
+        data, dst, tag = args[:3]
+        ways, counted = [("send", dst)], (data,)
+    elif name == "recv":
+        src, tag = args[:2]
+        ways, counted = [("recv", src)], (() if isinstance(result, Handle) else (result,))
+    else:  # exchange
+        sends, recv_from, tag = args[:3]
+        ways = [("send", d) for d in sends if d != me] + [("recv", s) for s in recv_from if s != me]
+        counted = ([v for d, v in sends.items() if d != me],)
+    keys = []
+    for way, peer in ways:
+        number = facts.pairs[(way, peer, tag)].count  # its channel's: this call's message
+        src, dst = (me, peer) if way == "send" else (peer, me)
+        keys.append(f"{facts.gid}/{comm.global_rank(src)}>{comm.global_rank(dst)}/{tag}/{number}")
+    ranks = sorted({comm.global_rank(me)} | {comm.global_rank(peer) for _, peer in ways})
+    return _record.PAIRS + ";".join(keys), ranks, counted
 
 
 # -- failures -----------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 While a profile is open (:mod:`distkit.dist.profiling`), :data:`active` is its recorder, and
 every collective adds an entry when it ends: the group, the call's number on it, the
 public name, the user's call site, the bytes of its tensors, and the wall-clock times it
-was entered and left. Nothing is sent while recording; the ranks merge their entries when
+was entered and left (a point-to-point call has no number on its group: its entry names
+its messages instead, as its peers' entries do, see :data:`PAIRS`). Nothing is sent while
+recording; the ranks merge their entries when
 the profile closes. When no profile is open, a collective pays one module-attribute read.
 """
 
@@ -76,6 +78,8 @@ class Recorder:
 
     def within(self, gid: str, ranks: Any) -> bool:
         """Whether the group ``gid`` (of global ``ranks``) lies within the profile's."""
+        if gid.startswith(PAIRS):  # a key per message: nothing worth keeping
+            return self.group is None or set(ranks) <= self.group
         inside = self._inside.get(gid)
         if inside is None:
             inside = self._inside[gid] = self.group is None or set(ranks) <= self.group
@@ -84,6 +88,10 @@ class Recorder:
 
 #: The open profile's recorder, or ``None``
 active: Optional[Recorder] = None
+
+#: A point-to-point call's ``gid``: this, then the keys of its messages, joined by ``;``
+#: (a message's key is the same at both ends: its channel and number), with ``seq`` 0
+PAIRS = "p2p:"
 
 
 @contextmanager

@@ -180,12 +180,19 @@ def _watched_pair(method: F) -> F:
     def run(self: Any, comm: Comm, *args: Any) -> Any:
         if getattr(_local, "depth", 0):  # inside another call: watched there
             return method(self, comm, *args)
+        recorder = _record.active  # a profile is open (see distkit.dist.profiling)
+        entered = time.time() if recorder is not None else 0.0
         comm.enter(name, count=False)
         _local.depth = 1
         try:
-            return method(self, comm, *args)
+            result = method(self, comm, *args)
         finally:
             _local.depth = 0
             comm.leave()
+        if recorder is not None and comm._facts is not None:
+            gid, ranks, counted = pairs.recorded(comm, name, args, result)
+            public = args[-1].fn  # the ObjectCall: send or isend, recv or irecv, exchange
+            recorder.add(gid, ranks, 0, public, counted, sys._getframe(1), entered)
+        return result
 
     return run  # type: ignore[return-value]
