@@ -136,6 +136,19 @@ def in_fresh_world(body, size: int, timeout: float = 300.0) -> list:
         return pool.run(body)
 
 
+@pytest.fixture(scope="module")
+def fresh_pools_after():
+    """Stop the shared pools when the module's tests are done (the next test starts fresh
+    ones). For modules that compile collectives on the pools' groups: a group that
+    torch.compile traced is left out of distkit's default check for the life of its
+    process, and a later test of that check must not meet such a group, whichever order
+    the tests run in (pytest-xdist's workers take them in no fixed order)."""
+    from distkit.local.pool import shutdown_pools
+
+    yield
+    shutdown_pools()
+
+
 # set by pytest, by torch the first time its compiler's modules run (process-wide), and
 # by distkit in a process that joined a world (for its children: see _registry.decide)
 _IGNORED_ENV = ("PYTEST_", "TORCHINDUCTOR_CACHE_DIR", "DISTKIT_RANK_PID")

@@ -13,7 +13,7 @@ from conftest import in_fresh_world, modern_compile, world
 import distkit.dist as dist
 from distkit.testing import ranks
 
-pytestmark = modern_compile
+pytestmark = [modern_compile, pytest.mark.usefixtures("fresh_pools_after")]
 
 COMPILE_TIMEOUT = 600
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import sys
 import textwrap
 import time
 
 import pytest
 import torch
-from conftest import mismatch, world
+from conftest import in_fresh_world, mismatch, world
 from helpers_subprocess import script_env, torchrun
 
 import distkit.dist as dist
@@ -447,8 +448,10 @@ for step in range({steps}):
 @pytest.mark.parametrize(
     ("steps", "leave", "how", "said"),
     [
-        (1, 0, "sys.exit(0)", "rank 1 exited (code 0)"),
-        (6, 5, "sys.exit(0)", "rank 1 exited (code 0)"),
+        # "(code 0)": the launcher's exit code, which follows the rank's own note (on a
+        # loaded machine it may come after the waiting rank has stopped waiting for it)
+        (1, 0, "sys.exit(0)", r"rank 1 exited( \(code 0\))? "),
+        (6, 5, "sys.exit(0)", r"rank 1 exited( \(code 0\))? "),
         (6, 5, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "rank 1 was killed by "),
     ],
     ids=["checked-call", "unchecked-call", "killed"],
@@ -461,7 +464,7 @@ def test_a_rank_that_went_away_is_named(steps, leave, how, said, tmp_path):
         # older torch (seen on 2.4) can abort a process that exits with a live gloo
         # thread: it was then killed by SIGABRT, and that is what distkit must say
         said = "rank 1 was killed by signal 6"
-    assert "RankGoneError: all_reduce: " + said in err, err
+    assert re.search("RankGoneError: all_reduce: " + said, err), err
     assert "while rank 0 waited in all_reduce at " in err and "script.py:7 in <module>" in err
     if steps > 3:  # past the checked calls: the backend saw it first, and says so after
         assert ". The backend said: " in err and "by peer" in err.split("The backend said")[-1]
@@ -539,16 +542,19 @@ def test_a_caught_one_sided_mismatch_leaves_the_ranks_in_step():
     assert caught == (1 if rank == 0 else 0)
 
 
-@ranks(2, timeout=60)
 def test_a_rank_falling_back_to_eager_under_compile_passes():
     """One rank recompiles until torch.compile gives up and runs the function eagerly,
     while the other runs the compiled graph: the group's collectives are traced, so the
     default check leaves them alone (the eager call would wait for a partner that never
-    checks)."""
-    import torch._dynamo
-
+    checks). In a world of its own: its ranks' call numbers drift apart on purpose."""
     if not hasattr(torch.compiler, "is_compiling"):
         pytest.skip("needs torch.compile")
+    in_fresh_world(_fall_back_to_eager, 2, timeout=60)
+
+
+def _fall_back_to_eager():
+    import torch._dynamo
+
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     old = getattr(config, name)

@@ -129,12 +129,18 @@ class Profile:
             ("seconds", "right"),
             ("late (rank: seconds)", "left"),
         ):
-            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+            # a site on one line, its file's head cut rather than its line number
+            table.add_column(col, justify=justify, no_wrap=col == "call site")  # type: ignore[arg-type]
         for row in sorted(self.rows, key=lambda r: (-sum(r.late.values()), -r.seconds))[:top]:
             worst = sorted(row.late.items(), key=lambda kv: -kv[1])[:3]
             late = ", ".join(f"{r}: {s:.3f}" for r, s in worst if s > 0) or "nobody"
             table.add_row(
-                row.op, row.site, str(row.calls), _size(row.bytes), f"{row.seconds:.3f}", late
+                row.op,
+                _tail(row.site, 60),
+                str(row.calls),
+                _size(row.bytes),
+                f"{row.seconds:.3f}",
+                late,
             )
         Console(file=file or sys.stdout, width=140).print(table)
 
@@ -272,6 +278,11 @@ def _shown(file: str) -> str:
         return file
     shown = os.path.relpath(file)
     return file if shown.startswith("..") else shown
+
+
+def _tail(text: str, width: int) -> str:
+    """``text``, or its last ``width - 1`` characters after an ellipsis."""
+    return text if len(text) <= width else "\u2026" + text[1 - width :]
 
 
 def _site(file: str, line: int) -> str:
