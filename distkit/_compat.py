@@ -9,9 +9,12 @@ takes the public path (slower, or less precise in a message) instead of breaking
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import importlib.abc
 import importlib.util
 import sys
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
@@ -247,23 +250,31 @@ def destroy(groups: Optional[list[Any]] = None) -> None:
 
     There, ``~ProcessGroup`` runs with the GIL held and joins gloo's worker threads, one of
     which may be freeing a tensor with a Python object, which needs the GIL: both wait
-    forever (pytorch#75097; fixed by pytorch#154976). Holding each group's gloo backend
-    while the groups go, and letting go of the backends only after the last group
-    reference, moves that join into the backend's destructor, which releases the GIL.
-    The caller must hold no other reference to the groups (``groups`` itself is emptied).
+    forever (pytorch#75097; fixed by pytorch#154976). distkit holds each group's gloo
+    backend while the groups go, and lets go of a backend only once its group is gone: a
+    backend's own destructor releases the GIL, so the join then happens without it. A
+    group something else still holds (a ``DistributedDataParallel`` model that outlives
+    ``destroy_dist``, very common) keeps its backends held until it goes too; one still
+    alive when the interpreter exits keeps them for good (the process ends without
+    joining their threads). The caller must hold no other reference to the groups
+    (``groups`` itself is emptied).
     """
     world: Any = getattr(c10d, "_world", None)
     if groups is None and not hasattr(world, "pg_map"):  # a torch without the registry
         td.destroy_process_group()
         return
     targets = list(world.pg_map) if groups is None else groups
-    held = []
     for pg in targets:
+        held = []
         for device in ("cpu", "cuda"):
             try:
                 held.append(pg._get_backend(torch.device(device)))
             except Exception:  # no backend for that device
                 pass
+        try:
+            _lingering.append((weakref.ref(pg), held))
+        except TypeError:  # a group type without weak references: hold it until exit
+            _lingering.append((lambda pg=pg: pg, held))
     # the loop variable would otherwise hold the last group until this frame goes, after
     # the backends: its destructor would then join gloo's threads with the GIL held
     pg = None
@@ -273,7 +284,29 @@ def destroy(groups: Optional[list[Any]] = None) -> None:
     else:
         while groups:
             td.destroy_process_group(groups.pop())
-    held.clear()  # the last references: each backend now dies without the GIL
+    _let_go()
+
+
+#: (a reference to a destroyed group, its backends), until the group is gone
+_lingering: list[tuple[Callable[[], Any], list[Any]]] = []
+
+
+def _let_go() -> None:
+    """Drop the backends of destroyed groups that are gone (each dies without the GIL)."""
+    _lingering[:] = [(ref, held) for ref, held in _lingering if ref() is not None]
+
+
+def _at_exit() -> None:
+    _let_go()
+    # groups still alive now go during the interpreter's teardown, in no order distkit
+    # controls: their backends must not die with them (with the GIL held), so they stay
+    for _, held in _lingering:
+        for backend in held:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(backend))
+    _lingering.clear()
+
+
+atexit.register(_at_exit)
 
 
 def is_registered(pg: Any) -> bool:

@@ -136,6 +136,17 @@ def in_fresh_world(body, size: int, timeout: float = 300.0) -> list:
         return pool.run(body)
 
 
+@pytest.fixture
+def settings():
+    """distkit's settings (``set_serializer``, ``set_debug``, ...), put back to their
+    defaults when the test ends, however it ends. (A ``@ranks`` body needs none: the pool
+    puts a rank's settings back after each task.)"""
+    from distkit import _settings
+
+    yield _settings
+    _settings.reset()
+
+
 @pytest.fixture(scope="module")
 def fresh_pools_after():
     """Stop the shared pools when the module's tests are done (the next test starts fresh

@@ -36,3 +36,30 @@ def test_destroying_worlds_in_a_loop_never_deadlocks(tmp_path):
     script.write_text(LOOP)
     proc = run([str(script), "100"], timeout=150)
     assert proc.returncode == 0 and "cycles done" in proc.stdout, proc.stdout + proc.stderr
+
+
+HELD = """
+import os, sys, tempfile, torch, torch.distributed as td
+import distkit.dist as dist
+from distkit import _compat
+
+path = os.path.join(tempfile.mkdtemp(), "store")
+td.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+model = {"process_group": td.group.WORLD}  # what a DistributedDataParallel keeps
+dist.all_reduce(torch.ones(2))
+dist.destroy_dist()
+# the group outlives destroy_dist: its backend must not die with it (joined with the GIL)
+assert [bool(held) for _, held in _compat._lingering] == [True], _compat._lingering
+del model  # the group goes; its backend stays held ...
+assert len(_compat._lingering) == 1 and _compat._lingering[0][0]() is None
+_compat._let_go()  # ... until distkit lets go of it, without the GIL
+assert _compat._lingering == []
+print("let go")
+"""
+
+
+def test_a_group_that_outlives_destroy_dist_keeps_its_backend_until_it_goes():
+    # examples/train.py's DDP model held the world's group past destroy_dist: on torch
+    # 2.4.1 one run in five then hung at exit, in ~ProcessGroupGloo joining a thread
+    # that waited for the GIL (the loop above never met that order)
+    assert run(["-c", HELD]).stdout.strip() == "let go"

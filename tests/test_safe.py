@@ -402,17 +402,12 @@ def test_plain_values_round_trip():
         assert got["deque"].maxlen == 5 and type(got["counter"]) is collections.Counter
 
 
-def test_allowed_classes_are_built_from_checked_plain_data():
+def test_allowed_classes_are_built_from_checked_plain_data(settings):
     dist.set_serializer("safe", allow=[Pair])
-    try:
-        value = [Pair(torch.ones(2), Pair(1, [2])), {Pair(1, 2): "key"}]
-        got = _wire.decode(encoded(value), serializer_name="safe")
-        assert type(got[0]) is Pair and torch.equal(got[0].left, torch.ones(2))
-        assert got[0].right == Pair(1, [2]) and got[1] == {Pair(1, 2): "key"}
-    finally:
-        from distkit import _settings
-
-        _settings.reset()
+    value = [Pair(torch.ones(2), Pair(1, [2])), {Pair(1, 2): "key"}]
+    got = _wire.decode(encoded(value), serializer_name="safe")
+    assert type(got[0]) is Pair and torch.equal(got[0].left, torch.ones(2))
+    assert got[0].right == Pair(1, [2]) and got[1] == {Pair(1, 2): "key"}
 
 
 def test_tensors_of_every_plain_dtype_round_trip():
@@ -467,26 +462,19 @@ def test_tuples_nested_beyond_the_stack_cap_are_refused(monkeypatch):
 # -- through the collectives: max_bytes, and hostile payloads from another rank ----------
 
 
-def test_max_bytes_setting_is_read_by_the_decoder_and_checked():
-    from distkit import _settings
-
+def test_max_bytes_setting_is_read_by_the_decoder_and_checked(settings):
     payload = encoded([{"a": i} for i in range(1000)])
-    try:
-        dist.set_serializer("safe", max_bytes=payload.cpu.numel())
-        refused(payload, match="max_bytes")
-        dist.set_serializer("safe", max_bytes=1 << 30)
-        assert len(safe(payload)) == 1000
-        for bad in (0, -1, 1.5, "1"):
-            with pytest.raises(ValueError, match="max_bytes"):
-                dist.set_serializer("safe", max_bytes=bad)
-    finally:
-        _settings.reset()
+    dist.set_serializer("safe", max_bytes=payload.cpu.numel())
+    refused(payload, match="max_bytes")
+    dist.set_serializer("safe", max_bytes=1 << 30)
+    assert len(safe(payload)) == 1000
+    for bad in (0, -1, 1.5, "1"):
+        with pytest.raises(ValueError, match="max_bytes"):
+            dist.set_serializer("safe", max_bytes=bad)
 
 
 @ranks(2, timeout=120)
 def test_hostile_payloads_from_another_rank_are_refused_on_the_receiver():
-    from distkit import _settings
-
     rank = dist.get_rank()
     hostile = [
         Reduce(bytearray, (2_000_000_000,)),
@@ -494,23 +482,20 @@ def test_hostile_payloads_from_another_rank_are_refused_on_the_receiver():
         Reduce(list, (range(200_000_000),)),
         numpy_object_pointer(id(print)),
     ]
-    try:
-        dist.set_serializer("safe")
-        for payload in hostile:
-            if rank == 0:
-                with pytest.raises(dist.UnsafeObjectError, match="rank 1") as info:
-                    dist.broadcast_object(None, src=1)
-                assert info.value.rank == 1
-            else:
-                assert dist.broadcast_object(payload, src=1) is payload  # the sender's own
-        # plain data still travels, and max_bytes bounds what a receiver takes
-        rows = [{"loss": i * 0.5, "step": i} for i in range(2000)]
-        assert dist.broadcast_object(rows if rank == 1 else None, src=1) == rows
-        dist.set_serializer("safe", max_bytes=10_000)
+    dist.set_serializer("safe")
+    for payload in hostile:
         if rank == 0:
-            with pytest.raises(dist.UnsafeObjectError, match="max_bytes"):
+            with pytest.raises(dist.UnsafeObjectError, match="rank 1") as info:
                 dist.broadcast_object(None, src=1)
+            assert info.value.rank == 1
         else:
-            assert dist.broadcast_object(rows, src=1) is rows
-    finally:
-        _settings.reset()
+            assert dist.broadcast_object(payload, src=1) is payload  # the sender's own
+    # plain data still travels, and max_bytes bounds what a receiver takes
+    rows = [{"loss": i * 0.5, "step": i} for i in range(2000)]
+    assert dist.broadcast_object(rows if rank == 1 else None, src=1) == rows
+    dist.set_serializer("safe", max_bytes=10_000)
+    if rank == 0:
+        with pytest.raises(dist.UnsafeObjectError, match="max_bytes"):
+            dist.broadcast_object(None, src=1)
+    else:
+        assert dist.broadcast_object(rows, src=1) is rows

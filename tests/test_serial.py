@@ -16,7 +16,6 @@ from conftest import collective_calls, world
 from helpers_subprocess import run
 
 import distkit.dist as dist
-from distkit import _settings
 from distkit.dist.backends import objects as _torch_objects
 from distkit.dist.codec import wire as _wire
 from distkit.testing import ranks
@@ -120,14 +119,13 @@ def test_safe_serializer_allow_list_and_process_setting():
         dist.broadcast_object(collections.ChainMap({}))
 
 
-def test_serializer_arguments_are_checked():
+def test_serializer_arguments_are_checked(settings):
     with pytest.raises(ValueError, match="serializer must be 'pickle' or 'safe', got 'json'"):
         dist.all_gather_object(1, serializer="json")
     with pytest.raises(ValueError, match="set_serializer"):
         dist.set_serializer("yaml")
     with pytest.raises(TypeError, match="allow: give classes"):
         dist.set_serializer("safe", allow=[3])
-    _settings.reset()
 
 
 def test_serializer_from_the_environment():
