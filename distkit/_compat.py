@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import importlib.abc
 import importlib.util
 import sys
@@ -271,10 +272,12 @@ def destroy(groups: Optional[list[Any]] = None) -> None:
                 held.append(pg._get_backend(torch.device(device)))
             except Exception:  # no backend for that device
                 pass
+        ref: Callable[[], Any]
         try:
-            _lingering.append((weakref.ref(pg), held))
-        except TypeError:  # a group type without weak references: hold it until exit
-            _lingering.append((lambda pg=pg: pg, held))
+            ref = weakref.ref(pg)
+        except TypeError:  # a group type without weak references: held until exit
+            ref = functools.partial(lambda held_pg: held_pg, pg)
+        _lingering.append((ref, held))
     # the loop variable would otherwise hold the last group until this frame goes, after
     # the backends: its destructor would then join gloo's threads with the GIL held
     pg = None
