@@ -34,10 +34,25 @@ def assert_same_run(a: dict, b: dict) -> None:
 
 def test_same_results_on_one_rank_two_ranks_and_two_nodes(tmp_path):
     one, two, nodes = (str(tmp_path / n) for n in ("one", "two", "nodes"))
-    run(["examples/train.py", "--work-dir", one, "--cfg-options", EPOCHS])
-    torchrun(2, "examples/train.py", "--work-dir", two, "--cfg-options", EPOCHS)
+    # the three runs at once: independent, and each mostly waits on its ranks
     port = free_port()
     procs = [
+        start(["examples/train.py", "--work-dir", one, "--cfg-options", EPOCHS]),
+        start(
+            [
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                "examples/train.py",
+                "--work-dir",
+                two,
+                "--cfg-options",
+                EPOCHS,
+            ]
+        ),
+    ]
+    procs += [
         start(
             [
                 "-m",

@@ -10,7 +10,7 @@ late each rank arrived at them, summed (``late``): the rank that makes everyone 
 the line where it does.
 
 Arrival times are compared on one clock: when the block starts, each rank's offset from
-the first rank of the group is estimated (a barrier, then each rank's clock, three times),
+the first rank of the group is estimated (a barrier, then each rank's clock, nine times),
 so ranks on different hosts are compared fairly. ``trace=PATH`` writes a Chrome trace
 (JSON; open it in Perfetto or chrome://tracing): a track per rank, a slice per call.
 
@@ -226,13 +226,14 @@ def _recorded(method: Any, name: str) -> Any:
 
 
 def _offsets(comm: Any) -> dict[int, float]:
-    """Each global rank's clock minus the group's first rank's (three estimates, after a
-    barrier each, the median kept)."""
+    """Each global rank's clock minus the group's first rank's (nine estimates, after a
+    barrier each, the median kept: on a loaded machine a rank can leave a barrier a
+    millisecond late, and with three estimates that skewed who was late by as much)."""
     ranks = comm.global_ranks()
     if comm.alone:
         return {ranks[0]: 0.0}
     rounds = []
-    for _ in range(3):
+    for _ in range(9):
         comm.backend.barrier(comm)
         rounds.append(
             [clock for _, _, clock in _gather(comm, (_TAG, ranks[comm.rank], time.time()))]
