@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, modern_compile, world
+from conftest import ROOT, in_fresh_world, modern_compile, world
 from helpers_subprocess import script_env
 
 import distkit.dist as dist
@@ -128,6 +128,34 @@ def test_sub_groups_are_attributed_to_their_own_ranks():
     assert set(_row(prof.rows, "all_reduce", pair_at).late) == {1, 2}
     assert set(_row(prof.rows, "all_reduce", world_at).late) == {0, 1, 2}
     assert _row(prof.rows, "all_reduce", pair_at).calls == 1
+
+
+def _mesh_dimensions_are_attributed_to_their_own_ranks():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, _ = world()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with dist.profile() as prof:
+        if rank // 2 == 1:  # the second row of the mesh is late: ranks 2 and 3
+            time.sleep(0.2)
+        dist.all_reduce(torch.ones(2), group=mesh["tp"])  # rows: [0, 1] and [2, 3]
+        tp_at = _line() - 1
+        dist.all_reduce(torch.ones(2), group=(mesh, "dp"))  # columns: [0, 2] and [1, 3]
+        dp_at = _line() - 1
+    _same_everywhere(prof.rows)
+    tp, dp = _row(prof.rows, "all_reduce", tp_at), _row(prof.rows, "all_reduce", dp_at)
+    assert (tp.calls, dp.calls) == (2, 2)  # one call per group of each dimension
+    # within a row of the mesh both ranks arrive together: nobody is late at tp_at;
+    # the late row shows up within each column, at dp_at
+    assert set(tp.late) == set(dp.late) == {0, 1, 2, 3}
+    assert sum(tp.late.values()) < 0.1, tp
+    assert tp.late[2] < 0.1 and tp.late[3] < 0.1, tp
+    assert dp.late[0] < 0.05 and dp.late[1] < 0.05, dp
+    assert 0.15 <= dp.late[2] <= 0.6 and 0.15 <= dp.late[3] <= 0.6, dp
+
+
+def test_mesh_dimensions_are_attributed_to_their_own_ranks():
+    in_fresh_world(_mesh_dimensions_are_attributed_to_their_own_ranks, 4, timeout=120)
 
 
 @ranks(2)
