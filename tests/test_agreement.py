@@ -191,6 +191,12 @@ CASES = [
     sized("a source out of range", "exchange", ValueError, lambda n: (({}, [n]), {})),
     case("a float key", "exchange", TypeError, {0.0: _t()}, []),
     ranked(
+        "two keys for one rank",
+        "exchange",
+        ValueError,
+        lambda rank, size: (({rank: _t(), torch.tensor(rank): _t()}, [rank]), {}),
+    ),
+    ranked(
         "a source twice",
         "exchange",
         ValueError,

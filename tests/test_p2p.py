@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -281,6 +282,43 @@ def test_exchange_pairs_with_plain_send_and_recv_on_a_sub_group():
         handle = dist.irecv(0, group=group)
         dist.send(torch.full((1,), 2.0), 0, group=group)
         assert handle.wait().tolist() == [1.0, 1.0]
+
+
+@ranks(2, timeout=60)
+@pytest.mark.parametrize("order", ["send first", "recv first"])
+def test_debug_mode_lets_an_exchange_meet_plain_sends_and_recvs(order):
+    """An exchange posts all its messages at once: a peer may serve them one blocking
+    call at a time. Debug mode once waited for every end before sending (a deadlock),
+    and a check racing the peer's cleanup read a deleted post (a false mismatch)."""
+    rank = dist.get_rank()
+    with debug_mode():
+        for _ in range(5):  # the races were one run in two
+            if rank == 0:
+                got = dist.exchange({1: torch.ones(2)}, [1])
+                assert got[1].tolist() == [0.0, 0.0, 0.0]
+                assert dist.exchange({}, [1])[1].tolist() == [7.0]
+            elif order == "send first":
+                dist.send(torch.zeros(3), 0)
+                assert dist.recv(0).tolist() == [1.0, 1.0]
+                dist.send(torch.full((1,), 7.0), 0)
+            else:
+                assert dist.recv(0).tolist() == [1.0, 1.0]
+                dist.send(torch.zeros(3), 0)
+                dist.send(torch.full((1,), 7.0), 0)
+
+
+@ranks(2, timeout=60)
+def test_a_handle_that_timed_out_raises_again_and_reads_nothing():
+    rank = dist.get_rank()
+    group = get_group([0, 1], timeout=30)
+    if rank == 1:
+        handle = dist.irecv(0, group=group)
+        with pytest.raises(dist.CollectiveTimeoutError):
+            handle.wait(timeout=timedelta(seconds=0.5))
+        for again in (handle.is_completed, handle.wait):  # its buffer was never filled
+            with pytest.raises(dist.CollectiveTimeoutError):
+                again()
+    dist.barrier()
 
 
 # -- errors: timeouts, debug mode ------------------------------------------------------------

@@ -323,7 +323,8 @@ def exchange(
         TypeError: ``sends`` is not a mapping of ranks, ``recv_from`` not a list of
             ranks, a tensor has no dense block of memory, or an object cannot be
             pickled (its receiver raises too).
-        ValueError: A rank is out of range or repeated in ``recv_from``, this rank is in
+        ValueError: A rank is out of range, repeated in ``recv_from`` or named by two
+            keys of ``sends``, this rank is in
             one of ``sends`` and ``recv_from`` but not the other, or ``tag`` is out of
             range.
         CollectiveTimeoutError: A peer did not send or receive within the group's
@@ -365,6 +366,14 @@ def exchange(
     checked: dict[int, Any] = {}
     for dst, data in sends.items():
         dst = _args.rank(dst, "a key of sends", fn, comm)
+        if dst in checked:  # two keys for one rank (say 1 and torch.tensor(1))
+            _args.fail(
+                ValueError,
+                fn,
+                comm,
+                f"sends has two keys for rank {dst}",
+                "Send one message per rank per exchange (put several in a list)",
+            )
         _data(data, f"sends[{dst}]", fn, comm)
         checked[dst] = data
     sources: list[int] = []

@@ -791,8 +791,13 @@ class _Waiter:
         self.checked = checked
         self.results: dict[int, Any] = {}
         self.errors: list[Exception] = []
+        #: What ended a wait that failed (a timeout): its messages may never have come,
+        #: so what its buffers hold is not read again; later waits raise it again
+        self.failed: Optional[BaseException] = None
 
     def is_completed(self) -> bool:
+        if self.failed is not None:
+            raise self.failed
         if any(not all(w.is_completed() for w in works) for _, works in self.sent):
             return False
         return all(
@@ -801,6 +806,15 @@ class _Waiter:
         )
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        if self.failed is not None:
+            raise self.failed
+        try:
+            return self._wait(timeout)
+        except Exception as exc:
+            self.failed = exc
+            raise
+
+    def _wait(self, timeout: Optional[timedelta]) -> bool:
         comm, public = self.comm, self.public
         with pairs.waiting(comm, public, self.ops):
             if not self.checked:  # posted in debug mode: checked at the first wait
@@ -857,7 +871,10 @@ def start(
             fields = {"sends": sorted(sends), "recv_from": list(recv_from), "tag": tag}
         pairs.post(comm, public, ops, fields, site)
         checked = False
-        if block:
+        # a blocking call of one message is checked before it sends anything; an
+        # exchange of several is checked at its wait, once all of them are posted (its
+        # peers may serve them one at a time: a blocking send, then a recv)
+        if block and len(ops) == 1:
             try:
                 with pairs.waiting(comm, public, ops):
                     pairs.await_ops(comm, public, ops, fields, site)

@@ -252,6 +252,10 @@ def await_ops(comm: Comm, public: str, ops: list[Op], fields: dict, site: str) -
                 if board.has(key):
                     del pending[op]
             if not pending:
+                # this rank's marker goes first: a peer that still sees it then still
+                # finds its own posts (which _forget deletes), and sees no conflict
+                with contextlib.suppress(Exception):
+                    board.store.delete_key(_now(board, me))
                 _forget(board, comm, ops)
                 return
             note = board.read(told)
@@ -313,6 +317,11 @@ def _look_at(
             stuck.append((kind, tag, number))
     if not stuck:
         return  # what it waits for from this rank was posted: it will be served
+    again = board.read(_now(board, them))
+    if again is None or again.get("id") != marker.get("id"):
+        return  # it stopped waiting meanwhile (served: it deletes this rank's posts)
+    if board.has(pending[waited]):
+        return  # it posted its end of this rank's wait since this rank last looked
     kind, tag, number = stuck[0]
     what = _conflict(comm, waited, them, kind, tag)
     theirs_call = {k: marker[k] for k in ("call", "fields", "site")}
