@@ -34,8 +34,6 @@ from distkit._compat import default_store, root_store
 
 #: Seconds between two looks at the store while waiting for keys.
 POLL = 0.05
-#: What no posted key holds (see :meth:`Board.read`).
-_ABSENT = "\x00distkit: nothing posted"
 
 
 def run_tag() -> str:
@@ -107,17 +105,14 @@ class Board:
 
     def read(self, key: str) -> Any:
         """The value posted at ``key``, or ``None`` when nothing (whole) is there yet.
-
-        One request that never waits: a compare-and-set that expects a value no key
-        holds, so it changes nothing and answers with what is there. (A check and then a
-        get could meet a key deleted between the two, and the get then waited for the
-        store's timeout: debug mode's exchange hung that way.)"""
-        raw = bytes(self.store.compare_set(key, _ABSENT, _ABSENT)).decode()
-        if raw == _ABSENT:
+        (A key deleted between the check and the get would make the get wait for the
+        store's timeout: keys read while others may delete them are written over
+        instead, as debug mode's wait markers are.)"""
+        if not self.has(key):
             return None
         try:
-            return json.loads(raw)
-        except ValueError:  # not written whole
+            return json.loads(self.get(key))
+        except ValueError:  # rewritten meanwhile
             return None
 
     def collect(self, keys: dict[Any, str], seconds: float) -> dict[Any, Any]:

@@ -135,6 +135,11 @@ def _now(board: Board, global_rank: int) -> str:
     return board.key("p2p-now", global_rank)
 
 
+#: A rank's wait marker once it stops waiting: written over, never deleted (a peer that
+#: found the key and then read it would wait for the store's timeout on a deleted one)
+_IDLE = {"kind": "idle"}
+
+
 def _told(board: Board, global_rank: int, wait: str) -> str:
     """Where a peer leaves rank ``global_rank`` a note about its wait ``wait`` (an id of
     its own: a late note never reaches a later wait)."""
@@ -213,7 +218,7 @@ def in_collective(comm: Comm, public: str, fields: dict, seq: int) -> Iterator[N
         yield
     finally:
         with contextlib.suppress(Exception):
-            board.store.delete_key(_now(board, me))
+            board.post(_now(board, me), _IDLE)
 
 
 # -- debug mode: waiting --------------------------------------------------------------------
@@ -255,7 +260,7 @@ def await_ops(comm: Comm, public: str, ops: list[Op], fields: dict, site: str) -
                 # this rank's marker goes first: a peer that still sees it then still
                 # finds its own posts (which _forget deletes), and sees no conflict
                 with contextlib.suppress(Exception):
-                    board.store.delete_key(_now(board, me))
+                    board.post(_now(board, me), _IDLE)
                 _forget(board, comm, ops)
                 return
             note = board.read(told)
@@ -284,7 +289,7 @@ def await_ops(comm: Comm, public: str, ops: list[Op], fields: dict, site: str) -
             pause = min(pause * 2, _board.POLL)
     finally:
         with contextlib.suppress(Exception):
-            board.store.delete_key(_now(board, me))
+            board.post(_now(board, me), _IDLE)
 
 
 def _look_at(
@@ -300,7 +305,7 @@ def _look_at(
     this rank cannot serve."""
     me, them = comm.global_rank(comm.rank), comm.global_rank(peer)
     marker = board.read(_now(board, them))
-    if marker is None:
+    if marker is None or marker.get("kind") == "idle":
         return  # not waiting in a distkit call (busy): it may still come
     waited = next(op for op in pending if op.peer == peer)
     if marker.get("kind") == "collective":
