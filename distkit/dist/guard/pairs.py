@@ -308,6 +308,8 @@ def _look_at(
     if marker is None or marker.get("kind") == "idle":
         return  # not waiting in a distkit call (busy): it may still come
     waited = next(op for op in pending if op.peer == peer)
+    if board.has(pending[waited]):
+        return  # it posted its end of this rank's wait since this rank last looked
     if marker.get("kind") == "collective":
         if me in marker.get("group", ()):
             raise _join(comm, public, mine, marker, waited, them)
