@@ -795,32 +795,29 @@ def tables(rows: list[dict], noop: list[dict], world: int) -> list[Table]:
     checked = [r for r in rows if r["case"]["check"] == "check"]
     profiled = [r for r in rows if r["case"]["check"] == "profile"]
     rows = [r for r in rows if r["case"]["check"] not in ("debug", "check", "profile")]
-    if checked:
-        cells = []
-        for row in checked:
-            off, on = row["seconds"]["check off"], row["seconds"]["distkit"]
-            name = row["case"]["name"].replace("default check: ", "")
-            cells.append([name, _fmt_s(off), _fmt_s(on), f"{on / off:.3f}x"])
-        out.append(
-            (
-                "the default check (DISTKIT_CHECK=0 turns it off): a loop of calls",
-                ["call (default check)", "check off", "check on (default)", "on / off"],
-                cells,
-            )
-        )
-    if profiled:
-        cells = []
-        for row in profiled:
-            off, on = row["seconds"]["not profiled"], row["seconds"]["distkit"]
-            name = row["case"]["name"].replace("profile: ", "")
-            cells.append([name, _fmt_s(off), _fmt_s(on), f"{on / off:.3f}x"])
-        out.append(
-            (
-                "the communication profile (dist.profile): a loop of calls",
-                ["call (profile)", "not profiled", "profiled", "profiled / not"],
-                cells,
-            )
-        )
+    for found, off_key, prefix, title, headers in (
+        (
+            checked,
+            "check off",
+            "default check: ",
+            "the default check (DISTKIT_CHECK=0 turns it off): a loop of calls",
+            ["call (default check)", "check off", "check on (default)", "on / off"],
+        ),
+        (
+            profiled,
+            "not profiled",
+            "profile: ",
+            "the communication profile (dist.profile): a loop of calls",
+            ["call (profile)", "not profiled", "profiled", "profiled / not"],
+        ),
+    ):
+        if found:  # a loop with a safeguard against the same loop without it
+            cells = []
+            for row in found:
+                off, on = row["seconds"][off_key], row["seconds"]["distkit"]
+                name = row["case"]["name"].replace(prefix, "")
+                cells.append([name, _fmt_s(off), _fmt_s(on), f"{on / off:.3f}x"])
+            out.append((title, headers, cells))
     if debug:
         cells = []
         for row in debug:
