@@ -128,11 +128,13 @@ def in_fresh_world(body, size: int, timeout: float = 300.0) -> list:
     """Run the module-level function ``body`` on every rank of a world of its own.
 
     For checks that build a ``DeviceMesh``: its process groups live as long as the world,
-    and stay out of the session's shared pools this way.
+    and stay out of the session's shared pools this way. The world's collectives time out
+    with the task (not the pool's 30 s): ranks that compile at different speeds on a
+    loaded machine wait for each other longer than that.
     """
     from distkit.local.pool import RankPool
 
-    with RankPool(size, timeout=timeout) as pool:
+    with RankPool(size, timeout=timeout, pg_timeout=timeout) as pool:
         return pool.run(body)
 
 

@@ -326,6 +326,7 @@ def test_a_consumer_slower_than_the_groups_timeout():
             if len(got) <= 2:
                 time.sleep(2.5)  # the serving ranks wait longer than the timeout
     assert got == ([(i % size, i // size) for i in range(2 * size)] if rank == 0 else [])
+    dist.barrier()  # meet first (default group): the ranks leave the stream at different times
     assert dist.all_gather_object(rank, group=group) == list(range(size))
 
 
@@ -352,7 +353,9 @@ def test_a_rank_that_does_not_iterate_is_named_by_dst():
     else:  # the others, serving, are told
         with pytest.raises(dist.CollectiveTimeoutError, match=created):
             list(stream)
-    # no backend timeout happened: the group works
+    # no backend timeout happened: the group works (after meeting on the default group:
+    # rank 0 leaves the stream seconds before the busy rank does)
+    dist.barrier()
     assert dist.all_gather_object(rank, group=group) == list(range(size))
 
 

@@ -105,6 +105,8 @@ def test_the_rank_seen_to_exit_first_is_named_first(how, tmp_path):
     code, _, err = finish(launch_cli(tmp_path, mark, DIES.format(how=HOW[how]), "-n", "2"))
     assert code == 1, err
     assert first_failure(err).startswith("distkit launch: rank 1 of 2 failed"), err
+    if how == "sys.exit":  # told at the call, before torch's teardown at exit
+        assert "(it called sys.exit(5); no Python traceback)" in err, err
     no_survivors(mark, tmp_path)
 
 

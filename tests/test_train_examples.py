@@ -152,15 +152,16 @@ def launch_train(work_dir: str, *options: str) -> list[str]:
 def test_resume_after_killing_training_mid_epoch(tmp_path):
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
     run(launch_train(full, "--cfg-options", EPOCHS))
-    # the same run, slowed down (30 ms per step) so it can be killed in its third epoch
-    proc = start(launch_train(killed, "--cfg-options", EPOCHS, "train.step_delay=0.03"))
+    # the same run, slowed down (50 ms per step, over a second per epoch) so it can be
+    # killed in its third epoch: at once when epoch 2's metrics appear (written after its
+    # checkpoint), which leaves room for a test process starved by a loaded machine
+    proc = start(launch_train(killed, "--cfg-options", EPOCHS, "train.step_delay=0.05"))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         done = os.path.exists(os.path.join(killed, "metrics.json"))
         if done and len(metrics(killed)["epochs"]) >= 2:
             break
-        time.sleep(0.05)
-    time.sleep(0.2)  # into the third epoch
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)  # the launcher; its ranks die with it
     proc.wait(timeout=30)
     assert len(metrics(killed)["epochs"]) == 2, "the kill must land mid-run, after epoch 2"

@@ -23,6 +23,7 @@ import weakref
 from multiprocessing.connection import wait
 from typing import Any, Callable, Optional
 
+from distkit._settings import _seconds
 from distkit.local import worker
 from distkit.local.worker import Failure, FnRef
 
@@ -50,8 +51,10 @@ class RankTimeout(RankError):
     """A task did not finish on every rank within its timeout."""
 
 
-#: Seconds the other ranks get to finish once one rank failed, before they are stopped.
-STOP_GRACE = 3.0
+#: Seconds the other ranks get to finish once one rank failed, before they are stopped
+#: (``DISTKIT_STOP_GRACE``; longer lets every rank report its own error, for example on
+#: a loaded machine where ranks reach their first collective seconds apart).
+STOP_GRACE = _seconds("DISTKIT_STOP_GRACE", 3.0)
 #: Seconds the ranks get to meet after a task (a short barrier) before the world counts
 #: as broken and the pool restarts.
 SETTLE_TIMEOUT = 10.0

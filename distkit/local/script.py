@@ -526,12 +526,17 @@ def _report(
         if i == 0:
             first = " first" if len(failed) > 1 else ""
             lines.append(f"distkit launch: rank {r.rank} of {n} failed{first} ({how})")
-            if report:
+            if report and report["traceback"]:
                 lines.append(report["traceback"].rstrip())
+            elif report and "exit" in report:
+                lines.append(f"(it called sys.exit({report['exit']}); no Python traceback)")
             else:
                 lines.append("(it printed no Python traceback: it exited or was killed)")
         else:
-            last = _summary(report["traceback"]) if report else "no traceback"
+            if report and "exit" in report:
+                last = f"sys.exit({report['exit']})"
+            else:
+                last = _summary(report["traceback"]) if report else "no traceback"
             lines.append(f"distkit launch: rank {r.rank} of {n} failed too ({how}): {last}")
     if stuck and outcome == "failed":
         lines.append(
@@ -597,7 +602,11 @@ def _as_rank(argv: list[str]) -> None:
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
-    except SystemExit:
+    except SystemExit as exc:
+        # a failing sys.exit is the moment this rank failed: say so now, not at its exit
+        # (torch's teardown at exit can outlast a peer that fails on the closed group)
+        if exc.code not in (None, 0) and errors is not None and os.getpid() == me:
+            _hand_over_exit(errors, exc.code)
         raise
     except BaseException as exc:
         interrupted = isinstance(exc, KeyboardInterrupt)
@@ -625,6 +634,14 @@ def _hand_over(errors: Any, exc: BaseException, interrupted: bool) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+def _hand_over_exit(errors: Any, code: object) -> None:
+    try:
+        json.dump({"traceback": "", "interrupted": False, "exit": repr(code)}, errors)
+        errors.close()
+    except (OSError, ValueError):
+        pass
 
 
 def _launcher_frame(filename: str) -> bool:
