@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Optional
 
 import torch
-from config import Config, OverrideAction, load
+from mmengine.config import Config, DictAction
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -19,9 +20,61 @@ import distkit.dist as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_config(path: str, options: Any) -> Config:
-    """The mmengine-style config at ``path`` (``_base_`` inheritance), with overrides."""
-    return load(path, options)
+def load_config(path: str, options: Optional[Mapping[str, Any]] = None) -> Config:
+    """The config at ``path`` read by mmengine (``_base_`` inheritance), with the
+    ``--cfg-options`` overrides (dotted keys) merged in.
+
+    Raises:
+        KeyError: an override names a key the config does not have (mmengine would add
+            it, so ``train.epoch=3`` would train for the default number of epochs).
+    """
+    cfg = Config.fromfile(path)
+    tree = cfg.to_dict()
+    for dotted in options or {}:
+        check_key(tree, dotted)
+    if options:
+        cfg.merge_from_dict(dict(options))
+    return cfg
+
+
+def check_key(tree: Mapping, dotted: str) -> None:
+    """Raise ``KeyError`` unless the nested dict ``tree`` has the key ``dotted``
+    (``train.epochs``; a list index is a number, as in mmengine: ``a.0.b``)."""
+    node: Any = tree
+    parts = dotted.split(".")
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth]) or "the config"
+        if isinstance(node, list):
+            if not (part.isdigit() and int(part) < len(node)):
+                raise KeyError(f"cannot set {dotted!r}: {where} is a list of {len(node)} items")
+            node = node[int(part)]
+            continue
+        if not isinstance(node, Mapping):
+            kind = type(node).__name__
+            raise KeyError(f"cannot set {dotted!r}: {where} is {kind} {node!r:.40}, not a dict")
+        if part not in node:
+            close = difflib.get_close_matches(part, [str(k) for k in node], n=1)
+            hint = f"; did you mean {'.'.join([*parts[:depth], close[0]])!r}?" if close else ""
+            raise KeyError(f"cannot set {dotted!r}: {where} has no key {part!r}{hint}")
+        node = node[part]
+
+
+class CfgOptions(DictAction):
+    """mmengine's ``--cfg-options`` parsing, with a usage error for an item without ``=``
+    (mmengine's own action raises a bare ``ValueError`` from argparse)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: Optional[str] = None,
+    ) -> None:
+        for item in [values] if isinstance(values, str) else values:
+            key, sep, _ = item.partition("=")
+            if not sep or not key:
+                parser.error(f"{option_string}: expected key=value, got {item!r}")
+        super().__call__(parser, namespace, values, option_string)
 
 
 def config_parser(description: str, default_config: str) -> argparse.ArgumentParser:
@@ -35,11 +88,20 @@ def config_parser(description: str, default_config: str) -> argparse.ArgumentPar
     parser.add_argument(
         "--cfg-options",
         nargs="+",
-        action=OverrideAction,
+        action=CfgOptions,
         default={},
-        help="override config entries: key=value, e.g. train.epochs=3",
+        help="override config entries: key=value, e.g. train.epochs=3 (mmengine's syntax)",
     )
     return parser
+
+
+def parse_config(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, Config]:
+    """The command line and the config it names; a bad override is a usage error."""
+    args = parser.parse_args()
+    try:
+        return args, load_config(args.config, args.cfg_options)
+    except KeyError as exc:
+        parser.error(f"--cfg-options: {exc.args[0]}")
 
 
 def config_name(path: str) -> str:

@@ -27,7 +27,7 @@ import json
 import os
 
 import torch
-from common import build_model, config_parser, evaluate, load_config, make_dataset
+from common import build_model, config_parser, evaluate, make_dataset, parse_config
 
 import distkit
 import distkit.dist as dist
@@ -52,8 +52,7 @@ def main() -> None:
         help="stream the predictions to the main process with iter_results and write "
         "them to FILE as JSON lines",
     )
-    args = parser.parse_args()
-    cfg = load_config(args.config, args.cfg_options)
+    args, cfg = parse_config(parser)
     path = (
         args.checkpoint
         or cfg.eval.checkpoint

@@ -28,9 +28,9 @@ from common import (
     config_name,
     config_parser,
     evaluate,
-    load_config,
     loader,
     make_dataset,
+    parse_config,
 )
 from torch.nn.parallel import DistributedDataParallel
 
@@ -155,8 +155,7 @@ def main() -> None:
     parser.add_argument(
         "--resume", action="store_true", help="continue from <work-dir>/latest.pth if it exists"
     )
-    args = parser.parse_args()
-    cfg = load_config(args.config, args.cfg_options)
+    args, cfg = parse_config(parser)
     work_dir = (
         args.work_dir or cfg.get("work_dir") or os.path.join("work_dirs", config_name(args.config))
     )

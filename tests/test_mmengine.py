@@ -115,6 +115,84 @@ def test_cast_data_device_moves_what_mmengine_moves(name):
     assert same_tensor(mine, target)
 
 
+def _tensors(n: int = 2) -> dict:
+    return {f"key{i}": torch.tensor([i, i + 1]) for i in range(1, n + 1)}
+
+
+#: Every error message mmengine's own tests match (tests/test_dist/test_utils.py of
+#: open-mmlab/mmengine; its test_dist.py matches none): name -> (function, arguments,
+#: exception, mmengine's pattern).
+MMENGINE_MESSAGES = {
+    "get_data_device of a string": (
+        "get_data_device",
+        lambda: ("123",),
+        TypeError,
+        "data should be a Tensor, sequence of tensor or dict",
+    ),
+    "cast_data_device of an empty list": (
+        "cast_data_device",
+        lambda: ([], "cpu"),
+        ValueError,
+        "data should not be empty",
+    ),
+    "cast_data_device of an empty dict": (
+        "cast_data_device",
+        lambda: ({}, "cpu"),
+        ValueError,
+        "data should not be empty",
+    ),
+    "cast_data_device with a shorter out": (
+        "cast_data_device",
+        lambda: (_tensors(2), "cpu", _tensors(1)),
+        ValueError,
+        "length of data and out should be same",
+    ),
+    "cast_data_device of an int": (
+        "cast_data_device",
+        lambda: (123, "cpu"),
+        TypeError,
+        "data should be a Tensor, list of tensor or dict",
+    ),
+    "cast_data_device of a string": (
+        "cast_data_device",
+        lambda: ("123", "cpu"),
+        TypeError,
+        "data should be a Tensor, list of tensor or dict",
+    ),
+    "cast_data_device of a NumPy array": (
+        "cast_data_device",
+        lambda: (np.array([0, 1]), "cpu"),
+        TypeError,
+        "data should be a Tensor, list of tensor or dict",
+    ),
+    "cast_data_device with out of another type": (
+        "cast_data_device",
+        lambda: (torch.tensor([0, 1]), "cpu", "123"),
+        TypeError,
+        "out should be the same type with data",
+    ),
+    "cast_data_device with out a set": (
+        "cast_data_device",
+        lambda: ({0, 1}, "cpu", {2, 3}),
+        TypeError,
+        "out should not be a set",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MMENGINE_MESSAGES))
+def test_errors_start_with_the_words_mmengines_tests_match(name):
+    """The same exception and the same ``match`` pass for both; distkit's message starts
+    with mmengine's words and goes on to name the function and what was wrong."""
+    fn, make, error, pattern = MMENGINE_MESSAGES[name]
+    with pytest.raises(error, match=pattern):
+        getattr(mm, fn)(*make())
+    with pytest.raises(error, match=pattern) as ours:
+        getattr(dist, fn)(*make())
+    message = str(ours.value)
+    assert message.startswith(pattern) and f"({fn}: " in message, message
+
+
 def _leaves(data):
     if isinstance(data, torch.Tensor):
         return [data.reshape(-1)]

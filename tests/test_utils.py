@@ -58,7 +58,7 @@ def test_data_device_nested_and_errors():
     assert get_data_device(data) == torch.device("cpu")
     assert get_data_device(t for t in [torch.ones(1)]) == torch.device("cpu")  # any iterable
     # as in mmengine: tensors only, and no empty container
-    with pytest.raises(TypeError, match=r"data\['b'\] is int 3, but data may hold only"):
+    with pytest.raises(TypeError, match=r"but data\['b'\] is int 3 \(get_data_device: data may"):
         get_data_device({"a": torch.ones(1), "b": 3})
     for bad in ("123", 123, None, [torch.ones(1), "x"]):
         with pytest.raises(TypeError, match="get_data_device"):
@@ -96,6 +96,13 @@ def test_cast_data_device_preserves_types():
     assert target["x"].tolist() == [3.0, 3.0]
     with pytest.raises(TypeError, match="out must have the structure of data"):
         cast_data_device([t], "cpu", out=(t,))
+    # data itself must be a tensor or a non-empty container (as in mmengine); inside one,
+    # empty containers and values other than tensors pass through (unlike mmengine)
+    inner = cast_data_device({"boxes": [], "name": "x", "t": t}, "cpu")
+    assert inner == {"boxes": [], "name": "x", "t": t}
+    for bad, error in (("x", TypeError), (None, TypeError), ([], ValueError), ({}, ValueError)):
+        with pytest.raises(error, match="cast_data_device"):
+            cast_data_device(bad, "cpu")
 
 
 @pytest.mark.parametrize(

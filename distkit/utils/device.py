@@ -111,6 +111,10 @@ def _first_device(data: Any) -> Optional[torch.device]:
     return None
 
 
+# The errors of get_data_device and cast_data_device start with mmengine.dist's own words
+# (code and tests written for mmengine match them), then say where and what to do.
+
+
 def _collect_devices(data: Any, found: set, path: str) -> None:
     """Add the device of every tensor in ``data``; raise on anything but tensors."""
     if isinstance(data, Tensor):
@@ -122,15 +126,19 @@ def _collect_devices(data: Any, found: set, path: str) -> None:
         items = ((f"{path}[{i}]", v) for i, v in enumerate(data))
     else:
         raise TypeError(
-            f"get_data_device: {path} is {type(data).__name__} {data!r:.60}, but data may "
-            "hold only tensors, in lists, tuples, sets, dicts or other iterables"
+            f"data should be a Tensor, sequence of tensor or dict, but {path} is "
+            f"{type(data).__name__} {data!r:.60} (get_data_device: data may hold only "
+            "tensors, in lists, tuples, sets, dicts or other iterables)"
         )
     empty = True
     for where, item in items:
         empty = False
         _collect_devices(item, found, where)
     if empty:
-        raise ValueError(f"get_data_device: {path} is an empty {type(data).__name__}")
+        raise ValueError(
+            f"data should not be empty, but {path} is an empty {type(data).__name__} "
+            "(get_data_device: every container in data must hold a tensor)"
+        )
 
 
 def get_data_device(data: Any) -> torch.device:
@@ -162,8 +170,8 @@ def get_data_device(data: Any) -> torch.device:
     if len(found) > 1:
         names = ", ".join(sorted(str(d) for d in found))
         raise ValueError(
-            f"get_data_device: data holds tensors on different devices ({names}); "
-            "move them to one device first"
+            f"device type in data should be consistent, but data holds tensors on "
+            f"different devices ({names}) (get_data_device: move them to one device first)"
         )
     return found.pop()
 
@@ -181,7 +189,8 @@ def cast_data_device(data: Any, device: Union[torch.device, str], out: Any = Non
     pass through unchanged. ``data`` itself is never modified.
 
     Args:
-        data: A tensor or nested containers holding tensors.
+        data: A tensor, or a non-empty list, tuple, set or mapping holding tensors,
+            nested to any depth (values other than tensors inside it pass through).
         device: Where the tensors should go.
         out: Optional structure like ``data`` whose tensors are overwritten in place with
             the moved values (the way ``mmengine.dist.cast_data_device`` fills ``out``).
@@ -190,8 +199,10 @@ def cast_data_device(data: Any, device: Union[torch.device, str], out: Any = Non
         A structure like ``data`` whose tensors live on ``device``.
 
     Raises:
-        TypeError: ``out`` does not have the type of ``data``, or is a set.
-        ValueError: ``out`` has other keys or another length than ``data``.
+        TypeError: ``data`` is neither a tensor nor a container (a list, tuple, set or
+            mapping), or ``out`` does not have the type of ``data``, or is a set.
+        ValueError: ``data`` is an empty container, or ``out`` has other keys or another
+            length than ``data``.
 
     Examples:
         >>> import torch
@@ -202,10 +213,27 @@ def cast_data_device(data: Any, device: Union[torch.device, str], out: Any = Non
         Pair(x=tensor([1.]), y='meta')
     """
     device = torch.device(device)
+    if not isinstance(data, (Tensor, Mapping, list, tuple, set, frozenset)):
+        raise TypeError(
+            f"data should be a Tensor, list of tensor or dict, but got {type(data).__name__} "
+            f"{data!r:.60} (cast_data_device: pass a tensor or a list, tuple, set or mapping "
+            "of them; inside a container, values other than tensors pass through)"
+        )
+    if not isinstance(data, Tensor) and len(data) == 0:
+        raise ValueError(
+            f"data should not be empty, but got an empty {type(data).__name__} "
+            "(cast_data_device: there is no tensor to move)"
+        )
+    return _cast(data, device, out)
+
+
+def _cast(data: Any, device: torch.device, out: Any) -> Any:
+    """``data`` with its tensors on ``device``; ``out``, if given, filled in place."""
     if out is not None and type(out) is not type(data):
         raise TypeError(
-            "cast_data_device: out must have the structure of data, got "
-            f"{type(out).__name__} for {type(data).__name__}"
+            f"out should be the same type with data, but got data is {type(data).__name__} "
+            f"and out is {type(out).__name__} (cast_data_device: out must have the "
+            "structure of data)"
         )
     if isinstance(data, Tensor):
         moved = data if data.device == device else data.to(device)
@@ -214,17 +242,25 @@ def cast_data_device(data: Any, device: Union[torch.device, str], out: Any = Non
         return moved
     if isinstance(data, Mapping):
         if out is not None and set(out.keys()) != set(data.keys()):
-            raise ValueError("cast_data_device: out must have the same keys as data")
-        values = {
-            k: cast_data_device(v, device, None if out is None else out[k]) for k, v in data.items()
-        }
+            lacks = sorted(map(repr, set(data) - set(out)))
+            extra = sorted(map(repr, set(out) - set(data)))
+            words = (
+                f"length of data and out should be same, but got {len(data)} and {len(out)}"
+                if len(out) != len(data)
+                else "out should have the keys of data"
+            )
+            detail = [f"out lacks {', '.join(lacks)}"] if lacks else []
+            detail += [f"data has no {', '.join(extra)}"] if extra else []
+            raise ValueError(f"{words} (cast_data_device: {'; '.join(detail)})")
+        values = {k: _cast(v, device, None if out is None else out[k]) for k, v in data.items()}
         return _rebuild_mapping(data, values)
     if isinstance(data, (list, tuple)):
         if out is not None and len(out) != len(data):
-            raise ValueError(f"cast_data_device: out has {len(out)} items but data has {len(data)}")
-        items = [
-            cast_data_device(v, device, None if out is None else out[i]) for i, v in enumerate(data)
-        ]
+            raise ValueError(
+                f"length of data and out should be same, but got {len(data)} and {len(out)} "
+                "(cast_data_device: out must have an item for each item of data)"
+            )
+        items = [_cast(v, device, None if out is None else out[i]) for i, v in enumerate(data)]
         if _is_namedtuple(data):
             return type(data)(*items)
         if type(data) in (list, tuple):
@@ -232,8 +268,11 @@ def cast_data_device(data: Any, device: Union[torch.device, str], out: Any = Non
         return _rebuild_sequence(data, items)
     if isinstance(data, (set, frozenset)):
         if out is not None:  # a set has no places to fill: nothing pairs its items
-            raise TypeError("cast_data_device: out cannot be a set (its items have no order)")
-        return type(data)(cast_data_device(v, device) for v in data)
+            raise TypeError(
+                "out should not be a set (cast_data_device: a set's items have no order, so "
+                "none of them pairs with an item of data; leave out=None)"
+            )
+        return type(data)(_cast(v, device, None) for v in data)
     return data
 
 
