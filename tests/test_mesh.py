@@ -148,21 +148,43 @@ def _mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph():
     torch._dynamo.reset()
 
 
-def test_every_mesh_form_names_the_same_group():
-    in_fresh_world(_every_mesh_form_names_the_same_group, 4, timeout=300)
+@pytest.fixture(scope="module")
+def mesh_worlds():
+    """Worlds of their own for this module's eager mesh checks, one per size, shared by
+    them (their meshes' groups live as long as the world and stay out of the session's
+    shared pools); stopped when the module's tests are done. Starting a world of four
+    ranks costs seconds of CPU: one per module, not one per test."""
+    from distkit.local.pool import RankPool
+
+    pools: dict[int, RankPool] = {}
+
+    def run(body, size: int) -> list:
+        if size not in pools:
+            pools[size] = RankPool(size, timeout=300, pg_timeout=300)
+        return pools[size].run(body)
+
+    yield run
+    for pool in pools.values():
+        pool.close()
 
 
-def test_bad_mesh_groups_fail_clearly():
-    in_fresh_world(_bad_mesh_groups_fail_clearly, 4, timeout=300)
+def test_every_mesh_form_names_the_same_group(mesh_worlds):
+    mesh_worlds(_every_mesh_form_names_the_same_group, 4)
 
 
-def test_one_dimensional_mesh_is_a_group():
-    in_fresh_world(_one_dimensional_mesh_is_a_group, 2, timeout=300)
+def test_bad_mesh_groups_fail_clearly(mesh_worlds):
+    mesh_worlds(_bad_mesh_groups_fail_clearly, 4)
+
+
+def test_one_dimensional_mesh_is_a_group(mesh_worlds):
+    mesh_worlds(_one_dimensional_mesh_is_a_group, 2)
 
 
 @pytest.mark.parametrize("size", [1, 2])
-def test_dtensors_are_refused_by_tensor_collectives_and_travel_as_shards_in_objects(size):
-    in_fresh_world(_dtensor_checks, size, timeout=300)
+def test_dtensors_are_refused_by_tensor_collectives_and_travel_as_shards_in_objects(
+    size, mesh_worlds
+):
+    mesh_worlds(_dtensor_checks, size)
 
 
 @modern_compile

@@ -12,7 +12,7 @@ import time
 
 import pytest
 from conftest import ROOT
-from helpers_subprocess import finish, free_port, run, script_env, start, torchrun
+from helpers_subprocess import finish, free_port, run, script_env, start
 
 pytestmark = pytest.mark.slow
 
@@ -88,13 +88,21 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def test_eval_counts_every_sample_once_on_one_two_and_three_ranks(checkpoint, tmp_path):
+    # the three runs at once: independent, and each mostly waits on its ranks
+    outs = [str(tmp_path / f"eval{nproc}.json") for nproc in (1, 2, 3)]
+    procs = [start(["examples/eval.py", "--checkpoint", checkpoint, "--out", outs[0]])]
+    procs += [
+        start(
+            [
+                *("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"),
+                *("examples/eval.py", "--checkpoint", checkpoint, "--out", out),
+            ]
+        )
+        for nproc, out in ((2, outs[1]), (3, outs[2]))
+    ]
     results = []
-    for nproc in (1, 2, 3):
-        out = str(tmp_path / f"eval{nproc}.json")
-        if nproc == 1:
-            run(["examples/eval.py", "--checkpoint", checkpoint, "--out", out])
-        else:
-            torchrun(nproc, "examples/eval.py", "--checkpoint", checkpoint, "--out", out)
+    for proc, out in zip(procs, outs):
+        finish(proc)
         with open(out) as f:
             results.append(json.load(f))
     for nproc, r in zip((1, 2, 3), results):
@@ -113,12 +121,15 @@ def test_eval_shuffled_and_streamed_report_the_same_metric(checkpoint, tmp_path)
         "both": ["--shuffle", "--stream", str(tmp_path / "both.jsonl")],
     }
     printed, results = {}, {}
-    for name, options in modes.items():
-        out = str(tmp_path / f"{name}.json")
-        cmd = ["-m", "distkit", "launch", "-n", "2", "examples/eval.py", "--checkpoint"]
-        stdout = run([*cmd, checkpoint, "--out", out, *options]).stdout
+    cmd = ["-m", "distkit", "launch", "-n", "2", "examples/eval.py", "--checkpoint", checkpoint]
+    procs = {  # the four runs at once, as above
+        name: start([*cmd, "--out", str(tmp_path / f"{name}.json"), *options])
+        for name, options in modes.items()
+    }
+    for name, proc in procs.items():
+        stdout = finish(proc)
         printed[name] = [line for line in stdout.splitlines() if "accuracy" in line]
-        with open(out) as f:
+        with open(tmp_path / f"{name}.json") as f:
             results[name] = json.load(f)
     assert len(printed["plain"]) == 1 and "on 2 rank(s)" in printed["plain"][0]
     for name in modes:
