@@ -126,9 +126,7 @@ def public_names() -> dict[str, object]:
         "distkit.utils.environ": [
             n
             for n, v in vars(environ).items()
-            if not n.startswith("_")
-            and inspect.isfunction(v)
-            and v.__module__ == environ.__name__
+            if not n.startswith("_") and inspect.isfunction(v) and v.__module__ == environ.__name__
         ],
         "distkit.testing": distkit.testing.__all__,
     }
