@@ -1,4 +1,4 @@
-"""Draw a distkit profile's Chrome trace as a PNG (the picture in the README).
+"""Draw a distkit profile's Chrome trace as a PNG (the picture in docs/debugging.md).
 
     python benchmarks/draw_trace.py trace.json docs/profile-trace.png
 

@@ -940,7 +940,7 @@ def report(rows: list[dict], noop: list[dict], world: int, file: Any = None) -> 
 
 
 def markdown(rows: list[dict], noop: list[dict], world: int = 2) -> str:
-    """The same tables as :func:`report`, as Markdown (for the README)."""
+    """The same tables as :func:`report`, as Markdown (for the documentation)."""
     blocks = []
     for _, columns, cells in tables(rows, noop, world):
         # documentation shows figures and ratios; the goals are the terminal report's

@@ -34,10 +34,10 @@ def _torch_version() -> tuple[int, int]:
 
 #: distkit's collectives trace under torch.compile from torch 2.13 (tested on 2.13 and
 #: 2.14); older dynamo cannot trace distkit's Python and graph-breaks or, with
-#: fullgraph=True, fails. The README says so.
+#: fullgraph=True, fails. docs/modern-torch.md says so.
 modern_compile = pytest.mark.skipif(
     _torch_version() < (2, 13),
-    reason="distkit traces under torch.compile from torch 2.13 on (see the README)",
+    reason="distkit traces under torch.compile from torch 2.13 on (see docs/modern-torch.md)",
 )
 
 

@@ -1,14 +1,23 @@
-"""Docstrings match signatures, mmengine code keeps working, the README covers the API."""
+"""Docstrings match signatures, mmengine code keeps working, the documentation covers the API.
+
+The documentation site (``mkdocs.yml``, ``docs/``, the README as its home page) builds with
+``--strict`` and has an API reference entry for every public name.
+"""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import os
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 from conftest import ROOT
 
+import distkit
 import distkit.dist as dist
 import distkit.testing
 import distkit.utils
@@ -75,14 +84,121 @@ def test_every_mmengine_dist_name_exists_with_a_compatible_signature():
     assert dist.init_dist("none", "gloo", "torch") == (0, 1)  # mmengine's positional form
 
 
-def test_readme_table_lists_every_public_function():
-    readme = (ROOT / "README.md").read_text()
+def test_collectives_table_lists_every_public_function():
+    table = (ROOT / "docs" / "collectives.md").read_text()
     missing = [
         n
         for n in dist.__all__
-        if callable(getattr(dist, n)) and n[0].islower() and f"`{n}" not in readme
+        if callable(getattr(dist, n)) and n[0].islower() and f"`{n}" not in table
     ]
-    assert not missing, f"README does not mention: {missing}"
+    assert not missing, f"docs/collectives.md does not mention: {missing}"
+
+
+def test_getting_started_quick_start_is_the_example_file():
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    block = re.search(r"## Quick start\n\n```python\n(.*?)```", page, re.S).group(1)
+    assert block == (ROOT / "examples" / "quickstart.py").read_text()
+
+
+def test_readme_is_a_landing_page_that_links_every_page():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    # .ci/run runs the bash block after this marker
+    assert re.search(r"<!-- test-command -->\n```bash\n.*python -m pytest\n```", readme)
+    pages = sorted(
+        p.relative_to(ROOT).as_posix()
+        for p in [*(ROOT / "docs").glob("*.md"), ROOT / "docs" / "api" / "index.md"]
+        if p.name != "index.md" or p.parent.name == "api"
+    )
+    missing = [p for p in pages if f"]({p})" not in readme]
+    assert not missing, f"README.md links to none of {missing}"
+
+
+# -- the documentation site ------------------------------------------------------------
+
+
+def public_names() -> dict[str, object]:
+    """Every public name, dotted, with its object: the names a user can import."""
+    modules = {
+        "distkit": [n for n in distkit.__all__ if n not in ("dist", "utils", "__version__")],
+        "distkit.dist": dist.__all__,
+        "distkit.utils": distkit.utils.__all__,
+        "distkit.utils.environ": [
+            n
+            for n, v in vars(environ).items()
+            if not n.startswith("_") and inspect.isfunction(v) and v.__module__ == environ.__name__
+        ],
+        "distkit.testing": distkit.testing.__all__,
+    }
+    module_objects = {"distkit": distkit, "distkit.dist": dist, "distkit.utils": distkit.utils}
+    module_objects |= {"distkit.utils.environ": environ, "distkit.testing": distkit.testing}
+    return {
+        f"{module}.{name}": getattr(module_objects[module], name)
+        for module, names in modules.items()
+        for name in names
+    }
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built once with ``mkdocs build --strict``: (html by path, build output)."""
+    pytest.importorskip("mkdocs", reason="pip install -e '.[test]' installs MkDocs")
+    pytest.importorskip("material", reason="pip install -e '.[test]' installs mkdocs-material")
+    pytest.importorskip("mkdocstrings_handlers.python", reason="the [test] extra installs it")
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    seconds = time.monotonic() - start
+    html = {p.relative_to(out).as_posix(): p.read_text() for p in out.rglob("*.html")}
+    return html, proc, seconds
+
+
+def test_the_site_builds_without_a_warning(site):
+    _, proc, seconds = site
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    warnings = [line for line in log.splitlines() if re.match(r"\W*(WARNING|ERROR)", line)]
+    assert not warnings, "\n".join(warnings)
+    assert seconds < 120, f"the build took {seconds:.0f} s"
+
+
+def test_the_api_reference_has_an_entry_for_every_public_name(site):
+    html, _, _ = site
+    ids = {i for page in html.values() for i in re.findall(r'id="(distkit[\w.]*)"', page)}
+    # a name may be documented under another of its public paths: distkit.dist.get_group's
+    # function is distkit.utils.get_group's, distkit.testing.RankError is distkit.RankError
+    paths_of: dict[int, set[str]] = {}
+    for path, value in public_names().items():
+        paths_of.setdefault(id(value), set()).add(path)
+    missing = [
+        path
+        for path, value in public_names().items()
+        if path not in ids and not paths_of[id(value)] & ids
+    ]
+    assert not missing, f"no API reference entry for {missing}"
+
+
+def test_the_api_reference_renders_docstrings_as_markdown(site):
+    html, _, _ = site
+    for path, page in html.items():
+        if path.startswith("api/"):
+            left = re.findall(r":(?:func|meth|class|data|attr|mod|exc):`", page)
+            assert not left, f"{path} shows Sphinx roles: {left[:3]}"
+            assert "::</p>" not in page, f"{path} shows a literal-block marker"
+
+
+def test_the_home_page_is_the_readme(site):
+    html, _, _ = site
+    assert "Headline figures" in html["index.html"]
+    assert "Working on distkit" in html["development.html"]  # CONTRIBUTING.md
 
 
 @pytest.mark.parametrize("package", ["distkit", "distkit.dist", "distkit.utils"])

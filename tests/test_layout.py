@@ -2,8 +2,8 @@
 
 Every import between distkit's modules counts: function-local ones (a lazy import is
 still a dependency) and those under ``if TYPE_CHECKING:`` (a cycle that only the type
-checker sees is still a cycle in the reader's head). The README's Development section
-and CONTRIBUTING.md draw the layers.
+checker sees is still a cycle in the reader's head). CONTRIBUTING.md draws the layers
+(the documentation's Development page shows it).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each check runs the same call through ``mmengine.dist`` and ``distkit.dist`` in the same
 world (no process group, and 2 or 3 gloo ranks) and compares what comes back. Where
-distkit deliberately differs, the README's "Moving from mmengine.dist" says so and why.
+distkit deliberately differs, docs/mmengine.md says so and why.
 """
 
 from __future__ import annotations

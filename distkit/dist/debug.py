@@ -22,7 +22,7 @@ def set_debug(enabled: bool = True) -> None:
     and the object serializer. On a mismatch every rank raises
     :class:`CollectiveMismatchError` listing each rank's call and call site (file:line),
     instead of hanging or computing garbage. It costs one extra small all_gather per
-    collective (see the README for the measured figure). The environment variable
+    collective (``docs/debugging.md`` has the measured cost). The environment variable
     ``DISTKIT_DEBUG=1`` turns it on at start-up. Turn it on (or off) on every rank.
 
     Args:
