@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from distkit import _lazy
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __getattr__, __dir__, __all__ = _lazy.attach(
     __name__,

@@ -41,6 +41,35 @@ LAUNCHER_VARS = (
 )
 
 
+#: The name pip knows distkit by (``pip install torch-distkit``); the import name stays
+#: ``distkit`` ('distkit' on PyPI is an unrelated package).
+DISTRIBUTION = "torch-distkit"
+
+
+def installed() -> str:
+    """How distkit is installed, for ``distkit info``: the distribution's name and version,
+    whether the install is editable, and whether it is stale (its version is not the one
+    imported)."""
+    import json
+    from importlib import metadata
+
+    import distkit
+
+    candidates = list(metadata.distributions(name=DISTRIBUTION))
+    if not candidates:
+        return f"{DISTRIBUTION} is not installed (distkit is imported from a source tree)"
+    # the first one an installer wrote: a build leaves an egg-info in the source tree, which
+    # comes first on sys.path when Python runs there
+    found = min(candidates, key=lambda d: d.read_text("INSTALLER") is None)
+    how = f"{DISTRIBUTION} {found.version}"
+    direct = json.loads(found.read_text("direct_url.json") or "{}")
+    if direct.get("dir_info", {}).get("editable"):
+        how += f", an editable install of {direct.get('url', '?').removeprefix('file://')}"
+    if found.version != distkit.__version__:
+        how += f" (stale: the distkit imported is {distkit.__version__}; install it again)"
+    return how
+
+
 def environment() -> list[tuple[str, str, str]]:
     """``(section, item, value)`` rows describing this machine for ``distkit info``."""
     import torch
@@ -51,7 +80,8 @@ def environment() -> list[tuple[str, str, str]]:
     from distkit.utils.environ import detect_launcher, launcher_env
 
     rows = [
-        ("versions", "distkit", distkit.__version__),
+        ("versions", "distkit", f"{distkit.__version__} ({os.path.dirname(distkit.__file__)})"),
+        ("versions", "installed as", installed()),
         ("versions", "python", f"{platform.python_version()} ({sys.executable})"),
         ("versions", "torch", torch.__version__),
         ("versions", "platform", platform.platform()),

@@ -71,3 +71,60 @@ def test_cli_missing_script_is_one_clear_error(target, tmp_path):
         if target == ["missing.py"]
         else "distkit launch: no module named no_such_package.train"
     ]
+
+
+def test_cli_info_names_the_distribution():
+    import distkit
+
+    proc = cli("info")
+    assert proc.returncode == 0, proc.stderr
+    # the value starts with the name and version, so the table never folds them apart
+    version = re.escape(distkit.__version__)
+    assert re.search(rf"installed as[\s│|]+torch-distkit {version}(?![\w.])", proc.stdout)
+
+
+class _Found:
+    """What importlib.metadata finds: a version, and the files beside the metadata."""
+
+    def __init__(self, version: str, files: dict[str, str]) -> None:
+        self.version, self.files = version, files
+
+    def read_text(self, name: str):
+        return self.files.get(name)
+
+
+EDITABLE = {
+    "INSTALLER": "pip",
+    "direct_url.json": '{"url": "file:///src", "dir_info": {"editable": true}}',
+}
+
+
+@pytest.mark.parametrize(
+    "found, expected",
+    [
+        ([], "torch-distkit is not installed (distkit is imported from a source tree)"),
+        # a build's egg-info in the source tree comes first on sys.path, the install after it
+        ([("0.0.1", {}), ("{v}", EDITABLE)], "torch-distkit {v}, an editable install of /src"),
+        ([("{v}", {"INSTALLER": "pip"})], "torch-distkit {v}"),
+        (
+            [("0.0.1", {"INSTALLER": "pip"})],
+            "torch-distkit 0.0.1 (stale: the distkit imported is {v}; install it again)",
+        ),
+    ],
+)
+def test_installed_says_how_distkit_is_installed(found, expected, monkeypatch):
+    from importlib import metadata
+
+    import distkit
+    from distkit.cli import installed
+
+    v = distkit.__version__
+    asked = []
+
+    def distributions(name):
+        asked.append(name)
+        return iter([_Found(version.format(v=v), files) for version, files in found])
+
+    monkeypatch.setattr(metadata, "distributions", distributions)
+    assert installed() == expected.format(v=v)
+    assert asked == ["torch-distkit"]
