@@ -22,7 +22,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if page.file.src_uri == "index.md":
         text = (root / "README.md").read_text(encoding="utf-8")
         text = re.sub(r"\]\(docs/", "](", text)
-        return text.replace("](CONTRIBUTING.md)", "](development.md#working-on-distkit)")
+        text = text.replace("](CONTRIBUTING.md)", "](development.md#working-on-distkit)")
+        # the other top-level files are not pages of the site: link them in the repository
+        blob = config["repo_url"].rstrip("/") + "/blob/main/"
+        return re.sub(r"\]\((CHANGELOG\.md|LICENSE)\)", lambda m: f"]({blob}{m[1]})", text)
     if CONTRIBUTING_MARKER in markdown:
         contributing = (root / "CONTRIBUTING.md").read_text(encoding="utf-8")
         contributing = _one_level_down(contributing)
