@@ -65,7 +65,7 @@ def main() -> None:
 
     dist.init_dist(**cfg.dist_cfg)
     model = build_model(cfg)
-    model.load_state_dict(torch.load(path, map_location="cpu")["model"])
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["model"])
     dataset = make_dataset(cfg, cfg.eval.split)
     result = evaluate(
         model, dataset, cfg.eval.batch_size, shuffle=args.shuffle, stream_to=args.stream

@@ -75,7 +75,7 @@ def train(cfg: Any, work_dir: str, resume: bool) -> list[dict]:
     history: list[dict] = []
     checkpoint = os.path.join(work_dir, "latest.pth")
     if resume and os.path.exists(checkpoint):
-        state = torch.load(checkpoint, map_location="cpu")
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         history = state["history"]

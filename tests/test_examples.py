@@ -87,7 +87,7 @@ def test_an_override_changes_the_run(tmp_path):
     run(["examples/train.py", "--work-dir", str(work), "--cfg-options", *options])
     with open(work / "metrics.json") as f:
         assert len(json.load(f)["epochs"]) == 1  # not the config's 6
-    state = torch.load(work / "latest.pth", map_location="cpu")
+    state = torch.load(work / "latest.pth", map_location="cpu", weights_only=True)
     assert state["config"]["model"]["hidden"] == 8
     assert state["config"]["data"]["train"]["num_samples"] == 96
     assert state["model"]["0.weight"].shape == (8, 32)  # the model was built with it
