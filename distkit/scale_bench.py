@@ -7,8 +7,8 @@ implementation:
 
 - **peak memory per rank**: the growth of the resident set's high-water mark (VmHWM)
   during one call over what the rank held just before it (after returning freed memory to
-  the system with ``malloc_trim``), the largest over ranks. The call's result counts (it
-  is held until the peak is read).
+  the system with ``malloc_trim``; see :func:`fix_allocator`), the largest over ranks.
+  The call's result counts (it is held until the peak is read).
 - **time per call**: the median over a few calls (interleaved between implementations,
   each after a barrier) of the slowest rank's time.
 
@@ -41,8 +41,8 @@ from distkit.bench_peers import (
     _mmengine,
     _mmengine_absent,
     _torch_objects,
+    tensor_dicts,
 )
-from distkit.bench_peers import tensor_dicts as _tensor_dicts
 
 #: The tensor collectives' payloads, as a fraction of the object payload (a 64 MiB run:
 #: all_reduce of 16 MiB, uneven all_gather of up to 16 MiB per rank)
@@ -117,7 +117,7 @@ def _cases(rank: int, size: int, payload: int) -> list[tuple[str, str, list[int]
 
     # all_gather_object and gather_object: the last rank's object holds the payload, the
     # others are tiny (torch pads every rank to the largest)
-    big = _tensor_dicts(payload, rank) if rank == last else _tiny(rank)
+    big = tensor_dicts(payload, rank) if rank == last else _tiny(rank)
     sizes = [_TINY_BYTES] * last + [payload]
 
     def torch_all_gather() -> Any:
@@ -159,7 +159,7 @@ def _cases(rank: int, size: int, payload: int) -> list[tuple[str, str, list[int]
 
     # broadcast_object_list from rank 0, and a tensor broadcast of the same bytes into a
     # buffer every receiver allocated (and touched) beforehand: the wire alone
-    obj = _tensor_dicts(payload, 0) if rank == 0 else None
+    obj = tensor_dicts(payload, 0) if rank == 0 else None
 
     def torch_broadcast_object() -> Any:
         box = [obj]
