@@ -12,7 +12,8 @@ the nccl-tests convention (algorithm bandwidth S/t times 2(n-1)/n for all_reduce
 all_gather, reduce_scatter and all_to_all). The single-process rows time one call with no
 process group against a plain identity function. Without NumPy (no dependency of distkit)
 the implementations that need it, torch's object collectives and mmengine, are not run:
-their columns say ``n/a (needs NumPy)``.
+their columns say ``n/a (needs NumPy)``. ``--only scale`` runs 2, 4 and 8 ranks against
+a cost model instead (:mod:`distkit.scale_bench`, docs/scale.md).
 """
 
 from __future__ import annotations
@@ -35,50 +36,16 @@ import torch.distributed as td
 import distkit.dist as dist
 from distkit import _settings
 from distkit._compat import all_gather_single, functional_collectives, reduce_scatter_single
-
-MiB = 1024 * 1024
-
-
-class Unavailable(NamedTuple):
-    """An implementation that cannot run on this machine, and why (shown in its column)."""
-
-    reason: str
-
-
-#: torch's object collectives read what they receive with ``tensor.numpy()``, and mmengine
-#: imports NumPy: without NumPy (which distkit does not need) both columns say so
-NEEDS_NUMPY = Unavailable("needs NumPy")
-
-
-def _numpy_missing() -> bool:
-    """Whether torch cannot reach NumPy here (``tensor.numpy()`` raises without it)."""
-    try:
-        torch.zeros(1).numpy()
-    except RuntimeError:  # "Numpy is not available"
-        return True
-    return False
-
-
-def _mmengine() -> Any:
-    try:
-        import mmengine.dist as mm
-    except ImportError:
-        return None
-    return mm
-
-
-def _mmengine_absent() -> Optional[Unavailable]:
-    """Why mmengine's columns are empty: ``None`` when it is not installed (plain n/a)."""
-    import importlib.util
-
-    if _numpy_missing() and importlib.util.find_spec("mmengine") is not None:
-        return NEEDS_NUMPY
-    return None
-
-
-def _torch_objects() -> Optional[Unavailable]:
-    """Why torch's object collectives cannot run here, or ``None`` when they can."""
-    return NEEDS_NUMPY if _numpy_missing() else None
+from distkit.bench_peers import (
+    NEEDS_NUMPY,
+    MiB,
+    Unavailable,
+    _memory,
+    _mmengine,
+    _mmengine_absent,
+    _torch_objects,
+    tensor_dicts,
+)
 
 
 class Case(NamedTuple):
@@ -90,16 +57,6 @@ class Case(NamedTuple):
 
 
 # -- payloads ----------------------------------------------------------------------------
-
-
-def tensor_dicts(total_bytes: int, rank: int) -> list[dict]:
-    """A list of dicts holding 1 MiB float tensors, ``total_bytes`` in all."""
-    n = max(1, total_bytes // MiB)
-    per = total_bytes // n // 4
-    g = torch.Generator().manual_seed(rank)
-    return [
-        {"id": i, "name": f"sample-{i}", "feat": torch.randn(per, generator=g)} for i in range(n)
-    ]
 
 
 def small_dicts(n: int, rank: int) -> list[dict]:
@@ -523,14 +480,6 @@ def _p2p_memory(impl: str, total: int) -> int:
     peak = _memory("VmHWM") - before
     dist.barrier()
     return peak
-
-
-def _memory(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def p2p_memory_rows(quick: bool, timeout: float) -> list[dict]:
@@ -961,7 +910,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--only",
         default=None,
         help="run these groups only, comma-separated: objects, collect, tensors, debug,"
-        " compile, p2p, noop",
+        " compile, p2p, noop; and scale (2, 4 and 8 ranks, with the cost model: not in the"
+        " default run, see docs/scale.md)",
+    )
+    parser.add_argument(
+        "--ranks",
+        default=None,
+        help="scale: the world sizes, comma-separated (2,4,8; --quick: 2)",
+    )
+    parser.add_argument(
+        "--payload-mib",
+        type=int,
+        default=None,
+        help="scale: MiB of the large objects (64; --quick: 4)",
     )
     parser.add_argument(
         "--quick",
@@ -983,6 +944,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     rows: list[dict] = []
     wanted = set(args.only.split(",")) if args.only else None
+    scale: list[dict] = []
+    if wanted and "scale" in wanted:  # worlds of their own, one per size
+        from distkit import scale_bench
+
+        ranks = [int(n) for n in (args.ranks or ("2" if args.quick else "2,4,8")).split(",")]
+        payload = (args.payload_mib or (4 if args.quick else 64)) * MiB
+        scale = scale_bench.run(ranks, payload, 1 if args.quick else 3, args.timeout)
+        wanted.discard("scale")
+        if not wanted:
+            scale_bench.report(scale)
+            _write(args, scale_bench.markdown(scale), {"scale": scale})
+            return 0
     if wanted != {"noop"}:
         from distkit.local.pool import RankPool
 
@@ -1000,13 +973,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     if wanted is None or "noop" in wanted:
         noop = noop_rows(2_000, repeat=2) if args.quick else noop_rows()
     report(rows, noop, args.world_size)
+    text = markdown(rows, noop, args.world_size)
+    if scale:
+        from distkit import scale_bench
+
+        scale_bench.report(scale)
+        text += "\n\n" + scale_bench.markdown(scale)
+    _write(args, text, {"world_size": args.world_size, "rows": rows, "noop": noop, "scale": scale})
+    return 0
+
+
+def _write(args: argparse.Namespace, text: str, figures: dict) -> None:
+    """The Markdown tables and the raw figures, to the files ``--markdown`` and ``--json``
+    name."""
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(markdown(rows, noop, args.world_size) + "\n")
+            f.write(text + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"world_size": args.world_size, "rows": rows, "noop": noop}, f, indent=1)
-    return 0
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import os
 from conftest import ROOT
 from helpers_subprocess import run
 
+from distkit import scale_bench, scale_model
+
 
 def test_benchmark_quick_run_reports_every_case(tmp_path):
     # through the command line users type (``benchmarks/run.py`` calls the same main)
@@ -93,3 +95,50 @@ def test_benchmark_runs_without_numpy_and_says_which_columns_need_it(tmp_path):
     tensors = [row for row in rows if row["case"]["group"] in ("tensors", "uneven")]
     assert tensors and all(row["seconds"]["torch"] > 0 for row in tensors)  # no NumPy needed
     assert "n/a (needs NumPy)" in proc.stdout
+
+
+def test_scale_bench_quick_run_prints_real_rows_and_the_model(tmp_path):
+    out = tmp_path / "scale.json"
+    proc = run(
+        [
+            "-m",
+            "distkit",
+            "bench",
+            "--only",
+            "scale",
+            "--quick",
+            "--ranks",
+            "2",
+            "--payload-mib",
+            "4",
+            "--timeout",
+            "120",
+            "--json",
+            str(out),
+        ],
+        timeout=180,
+    )
+    rows = {row["op"]: row for row in json.loads(out.read_text())["scale"]}
+    assert set(rows) == set(scale_model.OPS), sorted(rows)
+    for row in rows.values():
+        assert row["world"] == 2 and len(row["sizes"]) == 2, row
+        for impl in ("distkit", "torch"):  # each a measurement, not a placeholder
+            assert row["seconds"][impl] > 0 and row["memory"][impl] >= 0, row
+    # torch pads the tiny rank's pickle to the large one and holds the rows twice
+    gathered = rows["all_gather_object"]["memory"]
+    assert 0 < gathered["distkit"] < gathered["torch"] / 2, gathered
+    assert "model against the measurement" in proc.stdout
+    assert "1024 ranks" in proc.stdout
+
+
+def test_scale_model_agrees_with_a_measured_row():
+    """The cost model (distkit/scale_model.py) against a cheap measurement: if distkit's
+    object collectives start holding more (or less) memory, the model must change too."""
+    objects = ("all_gather_object", "gather_object", "broadcast_object_list")
+    rows = scale_bench.run([2], 8 * scale_bench.MiB, 1, timeout=120, ops=objects)
+    assert [row["op"] for row in rows] == list(objects)
+    for row in rows:
+        for impl in ("distkit", "torch"):
+            got = row["memory"][impl]
+            want = scale_model.cost(row["op"], impl, row["sizes"], row["root"]).memory
+            assert scale_model.agrees(want, got), (row["case"], impl, want, got)

@@ -56,6 +56,7 @@ LAYERS = [
     {"distkit.dist.dist", "distkit.dist.utils"},
     # 6: tools built on the API
     {"distkit", "distkit.__main__", "distkit.cli", "distkit.bench"}
+    | {"distkit.bench_peers", "distkit.scale_bench", "distkit.scale_model"}
     | {"distkit.local", "distkit.local.pool", "distkit.local.worker", "distkit.local.launch"}
     | {"distkit.local.script", "distkit.local.hygiene"},
     # 7: the test harness, which nothing in the library may import
