@@ -18,11 +18,22 @@ def _flag(name: str, default: bool = False) -> bool:
 
 
 def _seconds(name: str, default: float) -> float:
+    """Seconds from the environment variable ``name`` (``default`` when it is unset or
+    empty). A value that is not a number of seconds, zero or more, raises: silently
+    falling back would hide the typo, and ``nan`` would make every deadline unreachable."""
     value = os.environ.get(name, "").strip()
-    try:
-        return max(float(value), 0.0) if value else default
-    except ValueError:
+    if not value:
         return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:  # not a number, nan, or negative
+        raise ValueError(
+            f"{name}={value!r} is not a number of seconds (zero or more): set it to, for "
+            f"example, {default:g}, or unset it for the default ({default:g})"
+        )
+    return seconds
 
 
 _DEFAULTS: dict[str, Any] = {

@@ -95,6 +95,8 @@ HOW = {
     "os._exit": "os._exit(3)",
     "sigkill": "os.kill(os.getpid(), signal.SIGKILL)",
     "sys.exit": "sys.exit(5)",
+    # raised by the rank itself, with no Ctrl-C at the launcher: a failure like any other
+    "KeyboardInterrupt": "raise KeyboardInterrupt",
 }
 
 

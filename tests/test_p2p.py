@@ -572,3 +572,31 @@ def test_the_exact_size_path_of_nccl_on_gloo():
             assert dist.irecv(0).wait() == {"k": "last"}
     finally:
         _p2p.exact = exact
+
+
+@ranks(2, timeout=60)
+def test_a_stuck_recv_is_reported_with_where_its_peer_is():
+    """The stuck report (DISTKIT_STUCK_AFTER) covers point-to-point waits: the rank left
+    waiting says so, and where its peer is, while it keeps waiting."""
+    import contextlib
+    import io
+
+    rank, _ = world()
+    _settings.set("stuck_after", 1.0)
+    dist.barrier()  # a rank answers roll calls from its first distkit call on
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        if rank == 0:
+            got = dist.recv(1, tag=3)
+        else:
+            time.sleep(4)  # busy, in no distkit call
+            dist.send(torch.arange(3), 0, tag=3)
+    if rank == 0:
+        assert got.tolist() == [0, 1, 2]  # the report stopped nothing
+        text = err.getvalue()
+        assert "distkit: rank 0 has waited 1 s in recv with rank 1 (tag 3) at " in text, text
+        assert "tests/test_p2p.py:" in text and "and keeps waiting:" in text, text
+        assert "rank 1 is at tests/test_p2p.py:" in text and "not in a distkit call" in text, text
+    else:
+        assert err.getvalue() == ""  # the sender never waited
+    dist.barrier()

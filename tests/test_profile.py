@@ -58,7 +58,9 @@ def test_a_straggler_is_blamed_at_its_line():
     row = _row(prof.rows, "all_reduce", slow)
     assert (row.calls, row.bytes) == (100, 100 * 16)
     assert set(row.late) == {0, 1}
-    assert 0.45 <= row.late[1] <= 1.0, row  # 10 x 50 ms, plus what the load adds
+    # 10 x 50 ms, plus what the load adds (1.4 s seen with the suite on 4 workers beside
+    # other work on 2 cores): the floor is what the test is about
+    assert 0.45 <= row.late[1] <= 3.0, row
     assert row.late[1] >= 0.9 * sum(row.late.values()), row
     assert row.seconds >= 0.2, row  # rank 0 waited inside the calls (half the average)
     other = _row(prof.rows, "broadcast", punctual)

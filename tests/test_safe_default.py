@@ -435,6 +435,33 @@ def test_the_stuck_report_works_under_every_launcher(launcher, tmp_path):
     assert "rank 1 has not arrived: it is at " in err and "script.py:6 in <module>" in err, err
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "command"),
+    [
+        ("DISTKIT_STUCK_AFTER", "nan", ["-c", "import distkit.dist as d; d.all_reduce"]),
+        ("DISTKIT_STUCK_AFTER", "-1", ["-c", "import distkit.dist as d; d.all_reduce"]),
+        ("DISTKIT_STOP_GRACE", "abc", ["-m", "distkit", "launch", "-n", "2", "-m", "json.tool"]),
+    ],
+)
+def test_a_bad_number_of_seconds_in_the_environment_is_an_error(variable, value, command):
+    """Not a silent fallback (a typo hides), nor nan (no deadline would ever pass)."""
+    import subprocess
+
+    from conftest import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, *command],
+        cwd=ROOT,
+        env=script_env(**{variable: value}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0, proc
+    said = f"{variable}={value!r} is not a number of seconds (zero or more)"
+    assert said in proc.stderr, proc.stderr
+
+
 # -- a rank that went away --------------------------------------------------------------
 
 EXITS_EARLY = """

@@ -123,6 +123,9 @@ class _Rank:
         self.data = {"error": bytearray(), "stack": bytearray()}
         self.exited_at: Optional[float] = None  # when the launcher saw it exit
         self.reported_at: Optional[float] = None  # when its traceback began to arrive
+        #: whether the launcher was interrupted (Ctrl-C, SIGTERM): a rank's
+        #: KeyboardInterrupt is then that, not a failure of its own
+        self.interrupted = False
 
     @property
     def code(self) -> Optional[int]:
@@ -135,10 +138,12 @@ class _Rank:
 
         Not the exit alone: a rank that raised may take a while to shut down (torch
         tears its process group down at exit), and the rank it left waiting can fail
-        and exit first. A Ctrl-C report is no failure.
+        and exit first. A Ctrl-C report is no failure when the launcher was interrupted
+        too (a KeyboardInterrupt the rank raised on its own is one).
         """
         times = []
-        if self.reported_at is not None and not (self.report() or {}).get("interrupted"):
+        ctrl_c = self.interrupted and (self.report() or {}).get("interrupted")
+        if self.reported_at is not None and not ctrl_c:
             times.append(self.reported_at)
         if self.exited_at is not None and self.code != 0:
             times.append(self.exited_at)
@@ -417,6 +422,8 @@ def _catch_signals(launch: _Launch) -> Any:
     def note(signum: int, frame: Any) -> None:
         if launch.signal is None:
             launch.signal, launch.signal_at = signum, time.monotonic()
+            for r in launch.ranks:
+                r.interrupted = True
         launch.wake.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):

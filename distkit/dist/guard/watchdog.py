@@ -186,6 +186,19 @@ class _Watchdog:
                     name="distkit-stuck-report",
                     daemon=True,
                 ).start()
+        for facts in _facts():  # point-to-point waits: each waiting rank reports its own
+            for key, note in list(facts.p2p.items()):
+                mark = (id(facts), "p2p", key)
+                current.add(mark)
+                since = self.seen.setdefault(mark, now)
+                if now - since >= after and mark not in self.reported:
+                    self.reported.add(mark)
+                    threading.Thread(
+                        target=_report_p2p,
+                        args=(board, facts, note, now - since),
+                        name="distkit-stuck-report",
+                        daemon=True,
+                    ).start()
         for mark in list(self.seen):
             if mark not in current:
                 del self.seen[mark]
@@ -285,6 +298,56 @@ def _report(board: _board.Board, facts: Any, call: str, seq: int, waited: float)
         pass
 
 
+def _report_p2p(board: _board.Board, facts: Any, note: tuple, waited: float) -> None:
+    """Print where the peers of a point-to-point call this rank is stuck in are."""
+    public, peers, tag, ident = note
+    try:
+        ranks = _ranks_of(facts)
+        me = board.rank
+        others = [ranks[p] for p in peers if 0 <= p < len(ranks) and ranks[p] != me]
+        site = debugmode.call_site(sys._current_frames().get(ident))
+        k = board.ask({"kind": "where", "group": ranks, "from": me})
+        answers = board.answers(k, others, max(4 * TICK, 1.5))
+        exits = board.exits([r for r in others if r not in answers])
+        who = ", ".join(f"rank {r}" for r in others)
+        group = "" if facts.gid == "0" else f" on group {ranks}"
+        lines = [
+            f"distkit: rank {me} has waited {waited:.0f} s in {public} with {who}{group} "
+            f"(tag {tag}) at {site}, and keeps waiting:"
+        ]
+        lines += [f"  {_where_peer(r, answers.get(r), exits)}" for r in others]
+        lines.append(_STUCK_FOOTER.format(float(_settings.get("stuck_after"))))
+        print("\n".join(lines), file=sys.stderr)
+        sys.stderr.flush()
+    except Exception:  # the world went away meanwhile: nothing to report
+        pass
+
+
+def _where_peer(r: int, answer: Optional[dict], exits: dict[int, dict]) -> str:
+    """Where the peer ``r`` of a stuck point-to-point call is, from its answer."""
+    if answer is None:
+        if r in exits:
+            return _board.describe_exit(r, exits[r])
+        return f"rank {r} did not answer: it is gone, or busy in code that holds Python's lock"
+    if answer.get("p2p"):
+        other = answer["p2p"][0]
+        with_ = ", ".join(f"rank {p}" for p in other["peers"])
+        return (
+            f"rank {r} waits in {other['call']} with {with_} (tag {other['tag']}) at "
+            f"{other['site']}"
+        )
+    if answer["in"]:
+        other = answer["in"][0]
+        return f"rank {r} waits in {other['call']} on group {other['group']} at {other['site']}"
+    return f"rank {r} is at {answer['at']}, not in a distkit call"
+
+
+_STUCK_FOOTER = (
+    "distkit reports a call once when it has waited DISTKIT_STUCK_AFTER seconds (now {:g}; "
+    "0 turns this off); it is not stopped: if the missing ranks arrive, the run goes on."
+)
+
+
 def _stuck_text(
     facts: Any,
     call: str,
@@ -342,11 +405,7 @@ def _stuck_text(
             lines.append(
                 f"  rank {r} has not arrived: it is at {answer['at']}, not in a distkit collective"
             )
-    lines.append(
-        "distkit reports a collective once when it has waited DISTKIT_STUCK_AFTER seconds "
-        f"(now {float(_settings.get('stuck_after')):g}; 0 turns this off); it is not "
-        "stopped: if the missing ranks arrive, the run goes on."
-    )
+    lines.append(_STUCK_FOOTER.format(float(_settings.get("stuck_after"))))
     return "\n".join(lines)
 
 
