@@ -12,10 +12,17 @@ PATHS = ["distkit", "tests", "examples", "benchmarks"]
 
 
 def ruff():
-    found = shutil.which("ruff")
-    if found is None:
-        pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
-    return found
+    """ruff installed beside this Python (found without an activated environment), or
+    on PATH."""
+    try:
+        from ruff.__main__ import find_ruff_bin  # type: ignore[import-not-found]
+
+        return find_ruff_bin()
+    except (ImportError, FileNotFoundError):
+        found = shutil.which("ruff")
+        if found is None:
+            pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
+        return found
 
 
 def test_ruff_checks_the_core():
