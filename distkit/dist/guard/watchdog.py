@@ -180,12 +180,7 @@ class _Watchdog:
             if now - since >= after and mark not in self.reported:
                 self.reported.add(mark)
                 call = facts.call[0]
-                threading.Thread(
-                    target=_report,
-                    args=(board, facts, call, facts.seq, now - since),
-                    name="distkit-stuck-report",
-                    daemon=True,
-                ).start()
+                _start_report(_report, (board, facts, call, facts.seq, now - since))
         for facts in _facts():  # point-to-point waits: each waiting rank reports its own
             for key, note in list(facts.p2p.items()):
                 mark = (id(facts), "p2p", key)
@@ -193,12 +188,7 @@ class _Watchdog:
                 since = self.seen.setdefault(mark, now)
                 if now - since >= after and mark not in self.reported:
                     self.reported.add(mark)
-                    threading.Thread(
-                        target=_report_p2p,
-                        args=(board, facts, note, now - since),
-                        name="distkit-stuck-report",
-                        daemon=True,
-                    ).start()
+                    _start_report(_report_p2p, (board, facts, note, now - since))
         for mark in list(self.seen):
             if mark not in current:
                 del self.seen[mark]
@@ -277,6 +267,18 @@ def state(board: _board.Board) -> dict:
         "at": at,
         "pid": os.getpid(),
     }
+
+
+#: The stuck reports being written (each asks the store for a second or two): joined at
+#: exit, as the watchdog is (see :func:`_stop_at_exit`).
+_reports: list[threading.Thread] = []
+
+
+def _start_report(target: Any, args: tuple) -> None:
+    _reports[:] = [t for t in _reports if t.is_alive()]
+    thread = threading.Thread(target=target, args=args, name="distkit-stuck-report", daemon=True)
+    _reports.append(thread)
+    thread.start()
 
 
 def _report(board: _board.Board, facts: Any, call: str, seq: int, waited: float) -> None:
@@ -423,6 +425,9 @@ def _stop_at_exit() -> None:
         found[0].stop = True
         found[0].wake.set()
         found[1].join(timeout=2 * TICK + 5.0)
+    deadline = time.monotonic() + 5.0  # a stuck report in a store call: the same abort
+    for thread in list(_reports):
+        thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
 
 def verdict(facts: Any, seq: int, seconds: float = 2.0) -> Optional[BaseException]:
