@@ -61,7 +61,9 @@ def test_a_straggler_is_blamed_at_its_line():
     # 10 x 50 ms, plus what the load adds (1.4 s seen with the suite on 4 workers beside
     # other work on 2 cores): the floor is what the test is about
     assert 0.45 <= row.late[1] <= 3.0, row
-    assert row.late[1] >= 0.9 * sum(row.late.values()), row
+    # the blame is rank 1's: rank 0's own lateness is scheduling noise (63 ms over the 100
+    # calls seen in CI's suite, against rank 1's 544)
+    assert row.late[1] >= 0.8 * sum(row.late.values()), row
     assert row.seconds >= 0.2, row  # rank 0 waited inside the calls (half the average)
     other = _row(prof.rows, "broadcast", punctual)
     assert other.calls == 20
