@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from datetime import timedelta
@@ -147,9 +148,26 @@ def init_dist(
         options["init_method"] = kwargs.pop("init_method", "env://")
     options.update(kwargs)
     td.init_process_group(**options)
+    _destroy_at_exit(_registry.current._default_pg)
     _watch_world()
     _profile_run()
     return rank, world
+
+
+def _destroy_at_exit(pg: Any) -> None:
+    """Destroy the world ``init_dist`` made at exit, if the script did not: while the
+    interpreter is still whole. Left to the interpreter's teardown, gloo's threads can
+    drop the last reference to a tensor once Python is half gone, and the process aborts
+    ("terminate called without an active exception") after a run that succeeded."""
+
+    def at_exit() -> None:
+        if _registry.current._default_pg is pg:  # still that world: nobody destroyed it
+            try:
+                destroy_dist()
+            except Exception:  # the world is broken already: the exit goes on
+                pass
+
+    atexit.register(at_exit)
 
 
 def _watch_world() -> None:
