@@ -77,6 +77,10 @@ def init_dist(
     With an accelerator backend, the current device is set to the local rank's before the
     group starts, so object collectives and NCCL never default every rank to GPU 0.
 
+    A world this made and the script did not end with :func:`destroy_dist` is destroyed
+    at exit, while the interpreter is still whole (left to the interpreter's teardown,
+    gloo can abort the process after a run that succeeded).
+
     Collective: every rank of the job must call this.
     Single process (``none``, or ``auto`` without launcher variables): starts nothing and
     returns ``(0, 1)``. Already initialized: returns the current ``(rank, world_size)``.
