@@ -319,8 +319,9 @@ class _Launch:
     def finish(self) -> None:
         """Wait for every rank (already stopped) and for the last of their pipes."""
         self._wait(self.ranks, 10.0)
-        # a rank's children may hold its pipes open; what the rank wrote is in by now
-        self.reader.join(timeout=1.0)
+        # a rank's children may hold its pipes open; what the rank wrote is in by now (3 s:
+        # on a loaded machine the reader can lag behind a stack a rank dumped as it died)
+        self.reader.join(timeout=3.0)
 
     # -- the report -------------------------------------------------------------------
 
