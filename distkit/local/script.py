@@ -145,7 +145,10 @@ class _Rank:
         ctrl_c = self.interrupted and (self.report() or {}).get("interrupted")
         if self.reported_at is not None and not ctrl_c:
             times.append(self.reported_at)
-        if self.exited_at is not None and self.code != 0:
+        # its exit after Ctrl-C at a terminal (which reached it too) may come before the
+        # launcher's own handler ran: no failure either
+        by_ctrl_c = self.interrupted and self.code in (INTERRUPTED, -signal.SIGINT)
+        if self.exited_at is not None and self.code != 0 and not by_ctrl_c:
             times.append(self.exited_at)
         return min(times) if times else None
 
