@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import pickle
-import statistics
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ from distkit.bench_peers import (
     _mmengine,
     _mmengine_absent,
     _torch_objects,
+    interleaved_medians,
     tensor_dicts,
 )
 
@@ -100,20 +100,7 @@ def _time(
         probe += time.perf_counter() - start
     td.all_reduce(probe, td.ReduceOp.MAX)
     iters = int(min(max_iters, max(min_iters, budget * len(names) / max(probe.item(), 1e-6))))
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(iters):
-        for k in range(len(names)):
-            name = names[(i + k) % len(names)]
-            td.barrier()
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    out = {}
-    for name, values in times.items():
-        slowest = torch.tensor(values)
-        td.all_reduce(slowest, td.ReduceOp.MAX)
-        out[name] = statistics.median(slowest.tolist())
-    return out
+    return interleaved_medians(fns, iters)
 
 
 def _object_cases(rank: int, size: int, quick: bool) -> list[tuple]:

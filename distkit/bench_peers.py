@@ -3,9 +3,12 @@ they can run here), the payloads, and a process's resident memory."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import statistics
+import time
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+import torch.distributed as td
 
 MiB = 1024 * 1024
 
@@ -69,3 +72,24 @@ def _memory(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], iters: int) -> dict[str, float]:
+    """Each of ``fns`` called ``iters`` times, interleaved in a rotating order, each call
+    after a barrier; the median over iterations of the slowest rank's time, per name (the
+    same dict on every rank)."""
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(iters):
+        for k in range(len(names)):
+            name = names[(i + k) % len(names)]
+            td.barrier()
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    out = {}
+    for name, values in times.items():
+        slowest = torch.tensor(values)
+        td.all_reduce(slowest, td.ReduceOp.MAX)
+        out[name] = statistics.median(slowest.tolist())
+    return out

@@ -23,9 +23,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
-import statistics
 import sys
-import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -41,6 +39,7 @@ from distkit.bench_peers import (
     _mmengine,
     _mmengine_absent,
     _torch_objects,
+    interleaved_medians,
     tensor_dicts,
 )
 
@@ -277,20 +276,7 @@ def run_rank(payload: int, iters: int, ops: Optional[tuple[str, ...]] = None) ->
             peak = torch.tensor([_peak(fn)])
             td.all_reduce(peak, td.ReduceOp.MAX)
             memory[impl] = int(peak.item())
-        names = list(impls)
-        times: dict[str, list[float]] = {n: [] for n in names}
-        for i in range(iters):
-            for k in range(len(names)):
-                impl = names[(i + k) % len(names)]
-                td.barrier()
-                start = time.perf_counter()
-                impls[impl]()
-                times[impl].append(time.perf_counter() - start)
-        seconds = {}
-        for impl, values in times.items():
-            slowest = torch.tensor(values)
-            td.all_reduce(slowest, td.ReduceOp.MAX)
-            seconds[impl] = statistics.median(slowest.tolist())
+        seconds = interleaved_medians(impls, iters)
         rows.append(
             {
                 "case": name,
