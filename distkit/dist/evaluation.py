@@ -425,7 +425,7 @@ class _Collected:
         text = b"" if failure is None else failure.encode(STATUS_BYTES - head)
         layouts.ROUND_STATUS.pack_into(raw, 0, rounds, len(text))
         raw[head : head + len(text)] = text
-        mine = torch.frombuffer(raw, dtype=torch.uint8)
+        mine = _wire.owned_bytes(raw)
         rows: dict[int, Tensor]
         if self.dst is not None:
             rows = {self.dst: comm.backend.broadcast(comm, mine, self.dst, False)}

@@ -114,7 +114,7 @@ def _slot(
     else:
         head = (INLINE, 0, 0)
     layouts.SLOT.pack_into(raw, 0, *head, *(int(f) for f in flags))
-    slot = torch.frombuffer(raw, dtype=torch.uint8)
+    slot = _wire.owned_bytes(raw)
     return slot if ch.device.type == "cpu" else slot.to(ch.device)
 
 

@@ -192,7 +192,7 @@ def _put(buf: Tensor, at: int, raw: Union[bytes, Tensor]) -> None:
         ctypes.memmove(buf.data_ptr() + at, source, n)
         return
     if isinstance(raw, bytes):
-        raw = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        raw = _wire.owned_bytes(raw)
     buf[at : at + n].copy_(raw)
 
 

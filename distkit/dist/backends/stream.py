@@ -173,7 +173,7 @@ class Link:
         return buf.cpu()
 
     def send_bytes(self, peer: int, raw: bytes) -> None:
-        self.send(peer, torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else _NONE)
+        self.send(peer, _wire.owned_bytes(raw) if raw else _NONE)
 
     def recv_bytes(self, peer: int, n: int) -> bytes:
         return _wire.bytes_view(self.recv(peer, n, torch.uint8)).tobytes()
@@ -263,7 +263,7 @@ def gather_plans(comm: Comm, plan: Plan, dst: int) -> Optional[list[Plan]]:
     inline = min(total, SLOT_BYTES - 8)
     layouts.LENGTH.pack_into(slot, 0, total)
     slot[8 : 8 + inline] = raw[:inline]
-    mine = torch.frombuffer(slot, dtype=torch.uint8)
+    mine = _wire.owned_bytes(slot)
     slots = comm.backend.gather(comm, mine, dst, False, True)  # watched: hang reports
     link = Link(comm, SETUP_TAG)
     if comm.rank != dst:
@@ -468,7 +468,7 @@ def announce(
             late[r] = positions
     at = _verdict_at(comm.size)
     raw[at : at + len(fail)] = fail
-    comm.backend.broadcast(comm, torch.frombuffer(raw, dtype=torch.uint8), opened.dst, False)
+    comm.backend.broadcast(comm, _wire.owned_bytes(raw), opened.dst, False)
     link = Link(comm, SETUP_TAG)
     for r, positions in late.items():
         link.send(r, positions.to(torch.int64))

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from distkit._compat import all_gather_single
 from distkit.dist.backends.base import BROADCAST_BYTES
+from distkit.dist.codec import wire as _wire
 from distkit.dist.core import layouts
 
 if TYPE_CHECKING:
@@ -97,13 +98,18 @@ def _fit(data: Tensor, cap: int) -> Tensor:
 def _encode(rows: list[list[int]], fmt: str, dev: torch.device) -> list[Tensor]:
     """Each header row as the bytes of its int64s (a 1-D uint8 tensor on ``dev``).
 
-    On the CPU, packed by :mod:`struct` into a tensor over those bytes: a third of the
-    time of building an int64 tensor from the rows and viewing it as bytes.
+    On the CPU, packed by :mod:`struct` into one tensor (rows of it): a third of the time
+    of building an int64 tensor from the rows and viewing it as bytes. Its memory is
+    torch's own, as every buffer distkit hands a group (see
+    :func:`~distkit.dist.codec.wire.owned_bytes`).
     """
     if dev.type == "cpu":
-        return [
-            torch.frombuffer(bytearray(struct.pack(fmt, *row)), dtype=torch.uint8) for row in rows
-        ]
+        size = struct.calcsize(fmt)
+        buf = torch.empty(size * len(rows), dtype=torch.uint8)
+        raw = _wire.bytes_view(buf)
+        for i, row in enumerate(rows):
+            struct.pack_into(fmt, raw, i * size, *row)
+        return list(buf.view(len(rows), size)) if rows else []
     heads = torch.tensor(rows, dtype=torch.int64, device=dev).view(torch.uint8)
     return list(heads)
 

@@ -109,6 +109,24 @@ def uint8_view(t: Tensor) -> Tensor:
     return flat.view(torch.uint8)
 
 
+def owned_bytes(raw: Any) -> Tensor:
+    """A copy of ``raw`` (bytes, a bytearray or a memoryview) in a 1-D uint8 CPU tensor
+    whose memory torch owns: what distkit hands a process group.
+
+    Not ``torch.frombuffer``: that tensor keeps a Python object alive, and freeing it takes
+    the GIL. A gloo worker thread drops its reference to a work's tensors after the work
+    completed, so it can be the one that frees them; as the interpreter exits, that thread
+    is ended inside a destructor and the process aborts ("terminate called without an
+    active exception", after a run that succeeded), and before torch 2.8 a group destroyed
+    meanwhile waits for it forever (pytorch#75097).
+    """
+    n = memoryview(raw).nbytes
+    t = torch.empty(n, dtype=torch.uint8)
+    if n:
+        bytes_view(t)[:] = memoryview(raw).cast("B")
+    return t
+
+
 def bytes_view(t: Tensor) -> memoryview:
     """A writable memoryview of a contiguous uint8 CPU tensor, sharing its memory."""
     n = t.numel()
@@ -322,7 +340,7 @@ def encode(
         else:  # an accelerator tensor on a CPU backend: one device-to-host copy
             raw[offset : offset + size] = bytes_view(flat_bytes(blob).cpu())
     if cpu is None:
-        cpu = torch.frombuffer(raw, dtype=torch.uint8)
+        cpu = owned_bytes(raw)
     return Encoded(cpu, dev, tuple(sent_apart))
 
 
