@@ -383,6 +383,23 @@ def _p2p_cases(rank: int, size: int, quick: bool) -> list[tuple]:
             goal,
         )
         rows.append((case, {"distkit": ours, "torch": theirs}, None))
+        if mib != 1:
+            continue
+
+        def fresh(x: torch.Tensor = x) -> Any:  # a new tensor per message, as distkit's
+            if rank == 0:
+                return td.send(x, 1)
+            return td.recv(torch.empty(x.shape), 0) if rank == 1 else None
+
+        case = Case(
+            f"recv: {label} tensor, shape unknown (torch: recv into a new tensor of the "
+            "shape known in advance, as every result of distkit's recv is)",
+            "p2p",
+            "(information)",
+            "info",
+            0.0,
+        )
+        rows.append((case, {"distkit": ours, "torch": fresh}, None))
 
     total = 4 * MiB if quick else 64 * MiB
     obj = tensor_dicts(total, 0)

@@ -38,7 +38,9 @@ def test_benchmark_quick_run_reports_every_case(tmp_path):
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         assert any(n.startswith(f"{op}: 1 MiB") for n in names)
     p2p = [n for n in names if n.startswith(("recv:", "ring exchange"))]
-    assert len(p2p) == 5, p2p  # 2 tensor sizes, an object, a ring, the receiver's memory
+    # 2 tensor sizes (1 MiB also against a new tensor per message), an object, a ring,
+    # the receiver's memory
+    assert len(p2p) == 6, p2p
     for row in data["rows"]:
         if row["case"]["check"] == "memory":  # peak bytes, each in a world of its own
             assert row["bytes"]["distkit"] > 0 and row["payload"] > 0, row
