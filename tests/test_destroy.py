@@ -4,7 +4,7 @@ On torch before 2.8, destroying a gloo group can deadlock: ``~ProcessGroup`` joi
 worker threads while holding the GIL, and a worker may be freeing a tensor, which needs
 the GIL. ``distkit._compat.destroy`` avoids it by letting the group go before its backend.
 Without that, this loop hung within its first 150 cycles on torch 2.4.1 (every run); on
-torch 2.8 and newer it checks that nothing else broke.
+torch 2.8 and newer 25 cycles check that nothing else broke.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 
 import torch
-from conftest import ROOT
+from conftest import ROOT, _torch_version
 from helpers_subprocess import run
 
 from distkit.dist.codec.wire import owned_bytes
@@ -40,7 +40,10 @@ if __name__ == "__main__":
 def test_destroying_worlds_in_a_loop_never_deadlocks(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
-    proc = run([str(script), "100"], timeout=150)
+    # where torch itself cannot deadlock here (2.8 and newer), fewer cycles show that
+    # nothing else broke
+    cycles = "100" if _torch_version() < (2, 8) else "25"
+    proc = run([str(script), cycles], timeout=150)
     assert proc.returncode == 0 and "cycles done" in proc.stdout, proc.stdout + proc.stderr
 
 

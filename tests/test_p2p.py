@@ -198,6 +198,65 @@ def _shapes(k: int) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int32)
 
 
+def _mixed(k: int):
+    """Message k of a sequence that crosses every size rule of the wire (in the frame's
+    first message, a rest beyond the channel's capacity, a tensor sent apart), with
+    objects and a sender's failure between."""
+    kind = [1, 1, 2, 1, 0, 1, 3, 1][k % 8]
+    if kind == 0:
+        return {"k": k, "t": torch.full((70_000,), float(k))}  # an object, a tensor inside
+    if kind == 3:
+        return {"unpicklable": threading.Lock()}
+    n = [3, 300_000, 300_001, 1_100_000, 40, 120_000, 0][(k * 5) % 7]  # 1.1M: apart
+    return torch.arange(n // (3 if kind == 2 else 1), dtype=torch.int32) + k
+
+
+@ranks(2)
+def test_every_pairing_of_send_and_receive_paths_agrees_on_the_wire():
+    """The sender's path (send, isend, exchange) and the receiver's (recv, irecv,
+    exchange) are chosen apart, message by message: whatever each end takes, both size
+    the frames alike and every message arrives whole."""
+    import random
+
+    rank = dist.get_rank()
+    rng = random.Random(7)
+    plan = [(rng.randrange(3), rng.randrange(3)) for _ in range(32)]
+    pending = []
+    for k, (how_send, how_recv) in enumerate(plan):
+        want = _mixed(k)
+        failing = isinstance(want, dict) and "unpicklable" in want
+        if rank == 0:
+            if failing:
+                with pytest.raises(TypeError, match="cannot be pickled"):
+                    if how_send == 1:
+                        dist.isend(want, 1).wait()
+                    else:
+                        dist.send(want, 1)
+            elif how_send == 0:
+                dist.send(want, 1)
+            elif how_send == 1:
+                pending.append(dist.isend(want, 1))
+            else:
+                dist.exchange({1: want}, [])
+            continue
+        if failing:
+            with pytest.raises(TypeError, match="rank 0 could not send its object"):
+                dist.recv(0)
+            continue
+        if how_recv == 0:
+            got = dist.recv(0)
+        elif how_recv == 1:
+            got = dist.irecv(0).wait()
+        else:
+            got = dist.exchange({}, [0])[0]
+        if isinstance(want, dict):
+            assert got["k"] == k and torch.equal(got["t"], want["t"]), k
+        else:
+            assert torch.equal(got, want), (k, got.shape, want.shape)
+    for h in pending:
+        h.wait()
+
+
 @ranks(2, 3, 4)
 def test_messages_arrive_in_order_and_tags_are_streams_of_their_own():
     rank = dist.get_rank()
