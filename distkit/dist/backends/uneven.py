@@ -37,7 +37,6 @@ from torch import Tensor
 
 from distkit._compat import all_gather_single
 from distkit.dist.backends.base import BROADCAST_BYTES
-from distkit.dist.codec import wire as _wire
 from distkit.dist.core import layouts
 
 if TYPE_CHECKING:
@@ -95,23 +94,10 @@ def _fit(data: Tensor, cap: int) -> Tensor:
     return out
 
 
-def _encode(rows: list[list[int]], fmt: str, dev: torch.device) -> list[Tensor]:
-    """Each header row as the bytes of its int64s (a 1-D uint8 tensor on ``dev``).
-
-    On the CPU, packed by :mod:`struct` into one tensor (rows of it): a third of the time
-    of building an int64 tensor from the rows and viewing it as bytes. Its memory is
-    torch's own, as every buffer distkit hands a group (see
-    :func:`~distkit.dist.codec.wire.owned_bytes`).
-    """
-    if dev.type == "cpu":
-        size = struct.calcsize(fmt)
-        buf = torch.empty(size * len(rows), dtype=torch.uint8)
-        raw = _wire.bytes_view(buf)
-        for i, row in enumerate(rows):
-            struct.pack_into(fmt, raw, i * size, *row)
-        return list(buf.view(len(rows), size)) if rows else []
-    heads = torch.tensor(rows, dtype=torch.int64, device=dev).view(torch.uint8)
-    return list(heads)
+def _encode(rows: list[list[int]], dev: torch.device) -> list[Tensor]:
+    """Each header row as the bytes of its int64s (a 1-D uint8 tensor on ``dev``), in
+    this machine's byte order, as :func:`_decode` reads them."""
+    return list(torch.tensor(rows, dtype=torch.int64, device=dev).view(torch.uint8))
 
 
 def _decode(
@@ -283,7 +269,7 @@ def all_to_all(
         head = struct.calcsize(fmt)
         out_splits = [head + cap for cap in recv_caps]
         in_splits = [head + cap for cap in send_caps]
-        heads = _encode(header_rows, fmt, dev)
+        heads = _encode(header_rows, dev)
         send = torch.cat(
             [piece for d in range(size) for piece in _frame(heads[d], chunks[d], send_caps[d])]
         )

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from distkit import _registry
 from distkit._compat import all_gather_single
-from distkit.dist.codec.wire import owned_bytes
+from distkit.dist.codec.wire import bytes_view
 from distkit.dist.core import layouts, spec
 from distkit.dist.errors import CollectiveMismatchError
 from distkit.utils.groups import get_cpu_group
@@ -150,9 +150,9 @@ def exchange(comm: Comm, payload: Any) -> list[Any]:
     raw = json.dumps(payload).encode()
     n = len(raw)
     slot = torch.zeros(_SLOT, dtype=torch.uint8)
-    slot[:8] = owned_bytes(layouts.LENGTH.pack(n))
+    layouts.LENGTH.pack_into(bytes_view(slot), 0, n)
     if n <= _SLOT - 8:
-        slot[8 : 8 + n] = owned_bytes(raw)
+        bytes_view(slot)[8 : 8 + n] = raw
     out = torch.empty(comm.size * _SLOT, dtype=torch.uint8)
     all_gather_single(out, slot, group=pg)
     rows = out.view(comm.size, _SLOT)
@@ -160,7 +160,7 @@ def exchange(comm: Comm, payload: Any) -> list[Any]:
     longest = max(sizes)
     if longest > _SLOT - 8:
         big = torch.zeros(longest, dtype=torch.uint8)
-        big[:n] = owned_bytes(raw)
+        bytes_view(big)[:n] = raw
         out = torch.empty(comm.size * longest, dtype=torch.uint8)
         all_gather_single(out, big, group=pg)
         rows = out.view(comm.size, longest)
