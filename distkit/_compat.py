@@ -15,6 +15,7 @@ import functools
 import importlib.abc
 import importlib.util
 import sys
+import time
 import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
@@ -299,8 +300,21 @@ def _let_go() -> None:
     _lingering[:] = [(ref, held) for ref, held in _lingering if ref() is not None]
 
 
+#: how long the exit waits, without the GIL, for the threads of groups still alive
+SETTLE_SECONDS = 0.02
+
+
 def _at_exit() -> None:
     _let_go()
+    world: Any = getattr(c10d, "_world", None)
+    if _lingering or getattr(world, "pg_map", None):
+        # a group still alive keeps its backend's worker threads to the end; one that
+        # just finished a collective may still hold its tensors, and freeing one whose
+        # Python object torch kept takes the GIL: once the interpreter is finalizing,
+        # that thread is stopped inside a destructor and the process aborts ("terminate
+        # called without an active exception") after a run that succeeded. Sleeping
+        # releases the GIL: such threads finish now, while Python is whole.
+        time.sleep(SETTLE_SECONDS)
     # groups still alive now go during the interpreter's teardown, in no order distkit
     # controls: their backends must not die with them (with the GIL held), so they stay
     for _, held in _lingering:

@@ -4,7 +4,8 @@ On torch before 2.8, destroying a gloo group can deadlock: ``~ProcessGroup`` joi
 worker threads while holding the GIL, and a worker may be freeing a tensor, which needs
 the GIL. ``distkit._compat.destroy`` avoids it by letting the group go before its backend.
 Without that, this loop hung within its first 150 cycles on torch 2.4.1 (every run); on
-torch 2.8 and newer 25 cycles check that nothing else broke.
+torch 2.8 and newer 25 cycles check that nothing else broke. Its last world checks that
+``destroy_dist`` leaves nothing holding a group, so every backend is joined before exit.
 """
 
 from __future__ import annotations
@@ -23,13 +24,34 @@ import distkit.dist as dist
 from torch.multiprocessing import spawn
 
 def body(rank, path, n):
-    for i in range(n):
+    for i in range(n - 1):
         td.init_process_group("gloo", init_method=f"file://{path}.{i}", rank=rank, world_size=2)
         shards = dist.all_gather(torch.arange(rank + 1.0))
         dist.all_reduce(torch.tensor(float(rank)), op="mean")
         dist.gather_object({"rank": rank, "sizes": [len(s) for s in shards]})
         dist.all_gather_object([torch.ones(3)])
         dist.destroy_dist()
+    # the last world as a script makes it, using every part of distkit that keeps state
+    # between calls: once destroy_dist returns, nothing may hold the group (a group held
+    # keeps its gloo backend alive into the interpreter's teardown, where its threads
+    # can abort the process after a run that succeeded)
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # unused: a file store
+    dist.init_dist("pytorch", init_method=f"file://{path}.last")
+    with dist.profile() as kept:  # a profile a script keeps to the end
+        dist.all_reduce(torch.ones(1), group=[0, 1])
+    dist.init_local_group(0, 2)
+    dist.all_reduce(torch.ones(1), group=dist.get_local_group())
+    dist.exchange({1 - rank: torch.ones(2)}, [1 - rank])
+    dist.send({"t": torch.ones(3)}, 1) if rank == 0 else dist.recv(0)
+    list(dist.iter_results([rank], 2))
+    dist.set_debug(True)
+    dist.broadcast_object(rank)
+    dist.set_debug(False)
+    dist.destroy_dist()
+    from distkit import _compat
+    assert _compat._lingering == [], f"rank {rank}: a destroyed group is still held"
+    assert kept.rows is not None
 
 if __name__ == "__main__":
     spawn(body, args=(os.path.join(tempfile.mkdtemp(), "store"), int(sys.argv[1])), nprocs=2)
@@ -63,6 +85,15 @@ del model  # the group goes; its backend stays held ...
 assert len(_compat._lingering) == 1 and _compat._lingering[0][0]() is None
 _compat._let_go()  # ... until distkit lets go of it, without the GIL
 assert _compat._lingering == []
+# at exit, a group still alive gets a moment without the GIL for its threads to finish
+slept, sleep = [], _compat.time.sleep
+_compat.time.sleep = slept.append
+_compat._at_exit()
+assert slept == [], slept  # none alive: no wait
+td.init_process_group("gloo", init_method=f"file://{path}.2", rank=0, world_size=1)
+_compat._at_exit()
+assert slept == [_compat.SETTLE_SECONDS], slept
+_compat.time.sleep = sleep
 print("let go")
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import weakref
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -162,10 +163,19 @@ def _destroy_at_exit(pg: Any) -> None:
     """Destroy the world ``init_dist`` made at exit, if the script did not: while the
     interpreter is still whole. Left to the interpreter's teardown, gloo's threads can
     drop the last reference to a tensor once Python is half gone, and the process aborts
-    ("terminate called without an active exception") after a run that succeeded."""
+    ("terminate called without an active exception") after a run that succeeded.
+
+    Only a weak reference: a strong one would keep the group alive after the script's
+    own ``destroy_dist``, so its gloo backend could not be let go (and its threads
+    joined) until the interpreter's teardown, which is the abort this is here to avoid."""
+    try:
+        ref: Any = weakref.ref(pg)
+    except TypeError:  # a group type without weak references: held, as before
+        ref = lambda: pg  # noqa: E731
 
     def at_exit() -> None:
-        if _registry.current._default_pg is pg:  # still that world: nobody destroyed it
+        default = _registry.current._default_pg
+        if default is not None and ref() is default:  # still that world: nobody destroyed it
             try:
                 destroy_dist()
             except Exception:  # the world is broken already: the exit goes on

@@ -67,7 +67,12 @@ class Profile:
         self.records: list[_record.Entry] = []
         self.offsets: dict[int, float] = {}  # by global rank: its clock minus the first's
         self._recorder: Optional[_record.Recorder] = None
+        #: the resolved group while the block is open: a closed profile holds no process
+        #: group (one kept to the end of a script would keep its backend past
+        #: ``destroy_dist``, into the interpreter's teardown)
         self._comm: Any = None
+        self._rank = 0  # in the group: only its first rank prints
+        self._me = 0  # in the world: names this rank's own trace file
 
     # -- the block ----------------------------------------------------------------------
 
@@ -79,6 +84,7 @@ class Profile:
             )
         comm = _route.resolve(self.group, "profile")
         self._comm = comm
+        self._rank, self._me = comm.rank, comm.global_ranks()[comm.rank]
         self.rows, self.records = None, []
         self.offsets = _offsets(comm)
         recorder = _record.Recorder(tuple(comm.global_ranks()))
@@ -89,6 +95,7 @@ class Profile:
 
     def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
         recorder, self._recorder = self._recorder, None
+        comm, self._comm = self._comm, None
         _record.active = None
         _watch_single(False)
         if recorder is None:
@@ -96,8 +103,7 @@ class Profile:
         self.records = [e._replace(ranks=tuple(e.ranks)) for e in recorder.entries]
         if kind is not None:  # the other ranks may not be here: no merging collective
             return
-        comm = self._comm
-        me = comm.global_ranks()[comm.rank]
+        me = self._me
         # sites as this rank shows them (relative to its own directory), before merging:
         # every rank then computes the rows from the same strings
         mine = [tuple(e._replace(file=_shown(e.file))) for e in self.records]
@@ -115,7 +121,7 @@ class Profile:
     def print(self, file: Any = None, top: int = 20) -> None:
         """Print the rows where ranks waited most (and who was late there) as a rich table,
         on the group's first rank only (the main process, for the default group)."""
-        if self.rows is None or self._comm is None or self._comm.rank != 0:
+        if self.rows is None or self._rank != 0:
             return
         from rich.console import Console
         from rich.table import Table
@@ -441,8 +447,7 @@ def end_run() -> None:
 
 def _write_own(found: Profile, why: str) -> None:
     """Write this rank's records alone, to ``PATH.rank<N>``, and say why."""
-    comm = found._comm
-    rank = comm.global_ranks()[comm.rank]
+    rank = found._me
     own = f"{found.trace}.rank{rank}"
     entries = [(rank, e._replace(file=_shown(e.file))) for e in found.records]
     _write_trace(own, entries, {rank: 0.0})
