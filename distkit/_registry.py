@@ -120,7 +120,10 @@ def decide() -> str:
         # launcher's variables, but is no rank: the rank left its pid (see _board)
         parent = os.environ.get(RANK_PID)
         allowed = allowed or (parent is not None and parent != str(os.getpid()))
-        alone = "" if allowed else (launched_as() or "")
+        found = "" if allowed else (launched_as() or "")
+        if _tracing():  # answered, not kept: the first eager call decides
+            return found
+        alone = found
         _retarget()
     return alone
 
@@ -152,13 +155,29 @@ def _retarget() -> None:
         cell.cell_contents = target
 
 
+def _tracing() -> bool:
+    """Whether ``torch.compile`` is tracing the caller. Then nothing here may write a
+    closure cell: the compiler cannot follow a cell written through ``cell_contents`` that
+    the code it traces reads (it fails with an internal ``AssertionError``), which a
+    compiled step whose collectives were the process's first met. So while tracing,
+    :func:`bind` and :func:`decide` answer without keeping the answer."""
+    if "torch" not in sys.modules:  # no torch: nothing can be compiling
+        return False
+    from distkit._compat import is_compiling
+
+    return is_compiling()
+
+
 def bind() -> Any:
     """Point :data:`current` at torch's registry (importing torch.distributed if needed)."""
     global current
     # Imported here, not at the top: this module must stay importable without torch.
     from distkit._compat import torch_registry
 
-    current = torch_registry()
+    registry = torch_registry()
+    if _tracing():  # read, not bound: the first eager call binds
+        return registry
+    current = registry
     for cell in _cells:
         cell.cell_contents = current
     _retarget()

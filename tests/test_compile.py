@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import in_fresh_world, modern_compile, world
+from helpers_subprocess import run
 
 import distkit.dist as dist
 from distkit.testing import ranks
@@ -493,3 +494,30 @@ def test_point_to_point_breaks_the_graph_with_a_reason_and_stays_correct():
         with pytest.raises(Exception, match=r"distkit\.dist\.send moves data point to point"):
             _compiled(lambda x: dist.send(x, 1 - rank) or x)(t)
     torch._dynamo.reset()
+
+
+COLD = """
+import torch
+import distkit.dist as dist
+from distkit import _registry
+
+def step(t, flat):  # the process's first collectives: met first while tracing
+    return [dist.reduce_scatter(flat, op="sum"), dist.all_reduce(t * 2), dist.broadcast(t)]
+
+t, flat = torch.arange(4.0), torch.arange(8.0).view(4, 2)
+got = torch.compile(step, backend="eager", fullgraph=True)(t.clone(), flat.clone())
+expected = step(t.clone(), flat.clone())
+assert len(got) == 3 and all(torch.equal(g, e) for g, e in zip(got, expected)), got
+# the eager call then bound torch's registry and decided, as if nothing had traced
+cells = dict(zip(dist.all_reduce.__code__.co_freevars, dist.all_reduce.__closure__))
+assert type(_registry.current).__name__ != "_BeforeTorch", _registry.current
+assert _registry.alone == "" and cells["_world"].cell_contents is _registry.current
+print("compiled cold")
+"""
+
+
+def test_a_compiled_step_may_hold_the_processes_first_collectives():
+    """The first collective binds torch's registry and decides whether a world of one is
+    allowed, writing the collectives' closure cells; met while tracing, that write made
+    dynamo fail with an internal AssertionError (load_cell) at the next collective."""
+    assert run(["-c", COLD], timeout=120).stdout.strip() == "compiled cold"
