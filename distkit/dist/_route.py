@@ -24,6 +24,7 @@ from distkit import _registry
 from distkit._compat import (
     ProcessGroup,
     after_import,
+    backend_name,
     c10d,
     disable,
     functional_collectives,
@@ -75,14 +76,20 @@ def _eager_runner(method: str) -> Callable[..., Any]:
     return disable(run, spec.eager_reason(method))
 
 
-def _mark_traced(pg: ProcessGroup) -> bool:
-    """Note, while tracing, that ``pg``'s collectives are traced (see _GroupFacts.traced)."""
+def _mark_traced(pg: ProcessGroup) -> tuple[int, int, tuple[int, ...], bool]:
+    """Note, while tracing, that ``pg``'s collectives are traced (see _GroupFacts.traced),
+    and return what a :class:`TracedComm` needs of it: this rank, the size, the members'
+    global ranks, and whether the eager backend would carry some dtypes as bytes (gloo).
+
+    Run once per call site at trace time (see :data:`_traced_once`), so that dynamo
+    traces none of it: plain constants, no reference to ``pg`` kept in the graph."""
     name = group_name(pg)
     _TRACED.add(name)
     for facts in list(_FACTS.values()):
         if facts.gid == name:
             facts.traced = True
-    return True
+    ranks = tuple(get_process_group_ranks(pg))
+    return pg.rank(), pg.size(), ranks, "gloo" in backend_name(pg)
 
 
 #: Per backend method, the call that runs it eagerly (a graph break that says why). Built
@@ -128,11 +135,11 @@ def _comm_of(pg: ProcessGroup) -> Comm:
 
 
 def _traced_comm(pg: ProcessGroup, group: Any) -> Comm:
-    ranks = get_process_group_ranks(pg)
     if functional_collectives() is None:  # this torch cannot trace collectives: eagerly
+        ranks = get_process_group_ranks(pg)
         return TracedComm(None, pg.rank(), pg.size(), TRACED, group, ranks)
-    _traced_once(pg)
-    return TracedComm(pg, pg.rank(), pg.size(), TRACED, group, ranks)
+    rank, size, ranks, gloo = _traced_once(pg)
+    return TracedComm(pg, rank, size, TRACED, group, list(ranks), gloo)
 
 
 _MESH_MODULE = "torch.distributed.device_mesh"

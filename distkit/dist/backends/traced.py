@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from distkit._compat import backend_name
 from distkit._compat import functional_collectives as _fc
 from distkit.dist.backends.base import Backend, ObjectCall, Result
 from distkit.dist.backends.gloo import (
@@ -73,7 +72,7 @@ def _input(t: Tensor) -> Tensor:
 def _carried(comm: Comm, dtype: torch.dtype) -> bool:
     """Whether ``dtype`` travels in another dtype on ``comm``'s group, as the eager
     backend decides it (:class:`~distkit.dist.backends.gloo.GlooBackend` runs on gloo groups)."""
-    return dtype in AS_BYTES and "gloo" in backend_name(comm.pg)
+    return dtype in AS_BYTES and _eager(comm).gloo
 
 
 def _same(t: Tensor) -> Tensor:

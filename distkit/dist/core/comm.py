@@ -297,7 +297,7 @@ class TracedComm(Comm):
     then every collective runs eagerly.
     """
 
-    __slots__ = ("group", "ranks")
+    __slots__ = ("gloo", "group", "ranks")
 
     def __init__(
         self,
@@ -307,10 +307,19 @@ class TracedComm(Comm):
         backend: Any,
         group: Any,
         ranks: list[int],
+        gloo: bool = False,
     ) -> None:
-        super().__init__(pg, rank, size, backend)
+        # the fields set here, not through Comm.__init__: dynamo traces this once per
+        # collective, and every inlined call costs compile time
+        self.pg = pg
+        self.rank = rank
+        self.size = size
+        self.backend = backend
+        self._facts = None
         self.group = group
         self.ranks = ranks
+        #: whether the eager backend carries the dtypes gloo refuses (as bytes, or wider)
+        self.gloo = gloo
 
     def global_ranks(self) -> list[int]:
         return self.ranks
