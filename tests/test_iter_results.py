@@ -305,10 +305,10 @@ def test_an_index_past_int64_raises_on_every_rank():
 @ranks(2, 3, timeout=30)
 def test_only_the_results_count_against_the_safe_serializers_max_bytes():
     rank, size = world()
-    # 8000 small results per rank, with their indices: each pack of about 300 bytes
-    # decodes well within 100 kB, the plan's sizes and indices (64 kB each) would not
-    dist.set_serializer("safe", max_bytes=100_000)
-    n = 8000
+    # 2000 small results per rank, with their indices: each pack of about 300 bytes
+    # decodes well within 10 kB, the plan's sizes and indices (16 kB each) would not
+    dist.set_serializer("safe", max_bytes=10_000)
+    n = 2000
     indices = [size * i + rank for i in range(n)]
     out = streamed(indices, n * size, indices=indices, chunk_bytes=300)
     assert out == (list(range(n * size)) if rank == 0 else [])
