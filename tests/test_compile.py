@@ -330,7 +330,30 @@ def _mesh_dimensions():
         ((mesh, 0), dp, False),
     ):
         _check_group(group, members, eager_too)
+    _mesh_as_an_argument(mesh, dp)
     torch._dynamo.reset()
+
+
+def _mesh_step(t, mesh, pair):
+    dp, tp = mesh["dp"], (mesh, "tp")
+    summed = dist.all_reduce(t.clone(), group=dp)
+    gathered = dist.all_gather(t, group=tp, same_shape=True)
+    paired = dist.all_reduce(t.clone(), op="max", group=pair)
+    info = torch.tensor([dist.get_rank(group=dp), dist.get_world_size(group=tp)])
+    return summed, torch.stack(gathered), paired, info
+
+
+def _mesh_as_an_argument(mesh, pair: list[int]) -> None:
+    """The mesh an input of the compiled step (not a constant of it), beside a rank list
+    that get_group created eagerly on every rank, through AOT autograd."""
+    from distkit.utils import get_group
+
+    pairs = [get_group([0, 2]), get_group([1, 3])]  # created eagerly, on every rank
+    assert pairs[dist.get_rank() % 2] is not None
+    t = torch.tensor([dist.get_rank() + 1.0, -dist.get_rank()])
+    expected = _mesh_step(t.clone(), mesh, pair)
+    got = _compiled(_mesh_step)(t.clone(), mesh, pair)
+    _same(list(got), list(expected))
 
 
 def _sub_groups_and_mesh_dimensions():
@@ -340,8 +363,8 @@ def _sub_groups_and_mesh_dimensions():
 
 def test_sub_groups_and_mesh_dimensions_trace_with_group_ranks():
     # group [1, 2] numbers global rank 2 as 1, which a global src would miss; a world of
-    # its own (one for both: a fresh world costs seconds of CPU), as the groups and the
-    # mesh's must not reach the shared pools (conftest)
+    # its own (one for the sub-groups and the mesh: a fresh world of four ranks costs
+    # seconds of CPU), as the groups and the mesh's must not reach the shared pools
     in_fresh_world(_sub_groups_and_mesh_dimensions, 4, timeout=COMPILE_TIMEOUT)
 
 

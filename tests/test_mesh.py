@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import in_fresh_world, modern_compile, world
+from conftest import world
 
 import distkit.dist as dist
 
@@ -119,35 +119,6 @@ def _dtensor_checks():
         assert type(one) is torch.Tensor and one.tolist() == [2.0 * size - 2, 2.0 * size - 1]
 
 
-def _mesh_step(t, mesh, pair):
-    dp, tp = mesh["dp"], (mesh, "tp")
-    summed = dist.all_reduce(t.clone(), group=dp)
-    gathered = dist.all_gather(t, group=tp, same_shape=True)
-    paired = dist.all_reduce(t.clone(), op="max", group=pair)
-    info = torch.tensor([dist.get_rank(group=dp), dist.get_world_size(group=tp)])
-    return summed, torch.stack(gathered), paired, info
-
-
-def _mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph():
-    import torch._dynamo
-
-    from distkit.utils import get_group
-
-    rank, _ = world()
-    pairs = [get_group([0, 2]), get_group([1, 3])]  # created eagerly, on every rank
-    mesh = _mesh()
-    pair = [0, 2] if rank in (0, 2) else [1, 3]
-    assert pairs[rank % 2] is not None
-    t = torch.tensor([rank + 1.0, -rank])
-    expected = _mesh_step(t.clone(), mesh, pair)
-    torch._dynamo.reset()
-    step = torch.compile(_mesh_step, backend="aot_eager", fullgraph=True)
-    got = step(t.clone(), mesh, pair)
-    for g, e in zip(got, expected):
-        assert torch.equal(g, e)
-    torch._dynamo.reset()
-
-
 @pytest.fixture(scope="module")
 def mesh_worlds():
     """Worlds of their own for this module's eager mesh checks, one per size, shared by
@@ -185,8 +156,3 @@ def test_dtensors_are_refused_by_tensor_collectives_and_travel_as_shards_in_obje
     size, mesh_worlds
 ):
     mesh_worlds(_dtensor_checks, size)
-
-
-@modern_compile
-def test_mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph():
-    in_fresh_world(_mesh_dimensions_and_cached_rank_lists_trace_with_fullgraph, 4, timeout=600)
