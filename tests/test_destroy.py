@@ -43,6 +43,8 @@ def body(rank, path, n):
     dist.init_local_group(0, 2)
     dist.all_reduce(torch.ones(1), group=dist.get_local_group())
     dist.exchange({1 - rank: torch.ones(2)}, [1 - rank])
+    kept_handle = dist.all_reduce(torch.ones(1), async_op=True)  # kept, once waited
+    assert kept_handle.wait().item() == 2
     dist.send({"t": torch.ones(3)}, 1) if rank == 0 else dist.recv(0)
     list(dist.iter_results([rank], 2))
     dist.set_debug(True)

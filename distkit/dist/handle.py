@@ -78,8 +78,12 @@ class Handle(Generic[T]):
                     raise better from exc
                 raise
             self._result = finish() if finish is not None else None
+            # a finished handle keeps its result only: what it held for the collective
+            # (the group, through its error hook) would keep the group alive past
+            # destroy_dist for as long as the caller keeps the handle
             self._works = None
             self._finish = None
+            self._on_error = None
         return self._result
 
     def __repr__(self) -> str:
