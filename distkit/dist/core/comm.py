@@ -309,13 +309,7 @@ class TracedComm(Comm):
         ranks: list[int],
         gloo: bool = False,
     ) -> None:
-        # the fields set here, not through Comm.__init__: dynamo traces this once per
-        # collective, and every inlined call costs compile time
-        self.pg = pg
-        self.rank = rank
-        self.size = size
-        self.backend = backend
-        self._facts = None
+        super().__init__(pg, rank, size, backend)
         self.group = group
         self.ranks = ranks
         #: whether the eager backend carries the dtypes gloo refuses (as bytes, or wider)
