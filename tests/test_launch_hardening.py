@@ -57,9 +57,38 @@ def kill_soon_after_its_first_child(proc: subprocess.Popen, delay: float) -> Non
         proc.wait()  # not communicate(): a surviving rank would hold the pipes open
 
 
-def finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
+def finish(proc: subprocess.Popen, timeout: float = 180, mark: str = "") -> tuple[int, str, str]:
+    """Wait for ``proc`` and its output. Past ``timeout``: fail naming what still runs
+    (with ``mark``, every process of the test: one that holds the pipes keeps the
+    output from ending even once ``proc`` exited)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        state = "still running" if proc.poll() is None else f"exited {proc.returncode}"
+        alive = [_describe(pid) for pid in marked(mark)] if mark else []
+        proc.kill()
+        for pid in marked(mark) if mark else []:
+            os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(
+            f"no end of output after {timeout} s: the process {state}; still running: "
+            f"{alive}\n--- stdout\n{out}\n--- stderr\n{err}"
+        )
     return proc.returncode, out, err
+
+
+def _describe(pid: int) -> str:
+    """A running process, as a person debugging a hang wants to see it."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read()
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} (state {fields[0]}, parent {fields[1]}, in {wchan or '-'}): {cmd}"
 
 
 def no_survivors(mark: str, tmp_path) -> None:
@@ -251,8 +280,13 @@ def test_a_sigkilled_launch_call_leaves_no_rank(method, delay, tmp_path):
 # -- Ctrl-C and SIGTERM --------------------------------------------------------------------------
 
 LAUNCH_SLEEPERS = """
-import os, sys, time
+import os, signal, sys, time
 import distkit
+
+# Ctrl-C raises KeyboardInterrupt, as at a terminal, even when this test's run inherited
+# SIGINT ignored (a background job of a shell script ignores it, and so does every
+# Python it starts; distkit.launch keeps the disposition it was given)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def sleeper(folder):
     import distkit.dist as dist
@@ -274,7 +308,7 @@ def test_launch_call_stops_its_ranks_within_seconds_on_a_signal(sig, tmp_path):
     assert wait_for(lambda: ready(tmp_path, 3), 120), finish(proc, 10)
     sent = time.monotonic()
     proc.send_signal(sig)
-    code, _, err = finish(proc, 60)
+    code, _, err = finish(proc, 60, mark)
     took = time.monotonic() - sent
     assert took < 5, f"took {took:.1f} s to stop"
     if sig == signal.SIGINT:
