@@ -8,6 +8,7 @@ Every process a test starts carries a unique ``DISTKIT_TEST_MARK`` in its enviro
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -65,10 +66,12 @@ def finish(proc: subprocess.Popen, timeout: float = 180, mark: str = "") -> tupl
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         state = "still running" if proc.poll() is None else f"exited {proc.returncode}"
-        alive = [_describe(pid) for pid in marked(mark)] if mark else []
+        pids = marked(mark) if mark else []
+        alive = [_describe(pid) for pid in pids]
         proc.kill()
-        for pid in marked(mark) if mark else []:
-            os.kill(pid, signal.SIGKILL)
+        for pid in pids:  # one may end meanwhile: the report above is what counts
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(
             f"no end of output after {timeout} s: the process {state}; still running: "
