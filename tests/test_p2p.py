@@ -3,6 +3,7 @@ and of any objects, in order, on tags, in rings; and every error on both ranks."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -301,6 +302,98 @@ def test_each_rank_sends_first_then_receives_with_isend():
     got = dist.recv(peer)
     handle.wait()
     assert got.tolist() == [peer] * (peer + 1)
+
+
+# -- the lanes ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def checked_calls():
+    """Record which point-to-point calls take the checked path inside the block (the plain
+    blocking ``send``/``recv`` on gloo take the torch backend's lanes instead)."""
+    import distkit.dist.p2p as public
+
+    seen: list[str] = []
+
+    def counted(name, fn):
+        def call(*args):
+            seen.append(name)
+            return fn(*args)
+
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(public, "_send", counted("send", public._send))
+        mp.setattr(public, "_recv", counted("recv", public._recv))
+        yield seen
+
+
+@ranks(2, 3)
+def test_plain_blocking_calls_take_the_lane_and_the_others_the_checked_path():
+    """Whichever path each end takes, the message arrives whole: the lanes send the
+    checked path's bytes."""
+    rank, _ = world()
+    if rank > 1:
+        return
+    dist.send(torch.ones(1), 1) if rank == 0 else dist.recv(0)  # the group's facts, once
+    x = torch.arange(12.0).view(3, 4)
+    cases = [  # (what rank 0 sends, send kwargs, recv kwargs, which path each end takes)
+        (x, {}, {}, [], []),
+        (x, {"tag": 1}, {"tag": 1}, ["send"], ["recv"]),
+        (x.t(), {}, {}, ["send"], []),  # not contiguous: the sender's checked path
+        ({"step": 3, "x": x}, {}, {}, ["send"], []),  # an object: the receiver's lane
+        (torch.arange(_p2p.TENSOR_INLINE // 4 + 1, dtype=torch.float32), {}, {}, ["send"], []),
+        (x.to(torch.bfloat16), {}, {}, [], []),
+    ]
+    for want, send_kw, recv_kw, sender_path, receiver_path in cases:
+        with checked_calls() as seen:
+            got = dist.send(want, 1, **send_kw) if rank == 0 else dist.recv(0, **recv_kw)
+        assert seen == (sender_path if rank == 0 else receiver_path), (rank, seen)
+        if rank == 1 and isinstance(want, dict):
+            assert got["step"] == 3 and torch.equal(got["x"], x)
+        elif rank == 1:
+            same(got, want)
+        else:
+            assert got is None
+    with debug_mode(), checked_calls() as seen:  # debug mode pairs each call: checked
+        got = dist.send(x, 1) if rank == 0 else dist.recv(0)
+    assert seen == (["send"] if rank == 0 else ["recv"])
+    if rank == 1:
+        same(got, x)
+
+
+@ranks(2, 3)
+def test_the_lanes_raise_what_the_checked_path_raises():
+    rank, size = world()
+    dist.barrier()  # the group's facts, once
+    for bad in (rank, size, -1):
+        with checked_calls() as seen, pytest.raises(ValueError) as caught:
+            dist.send(torch.ones(1), bad)
+        assert seen == ["send"] and f"(on rank {rank} of {size})" in str(caught.value)
+        with checked_calls() as seen, pytest.raises(ValueError) as caught:
+            dist.recv(bad)
+        assert seen == ["recv"] and f"(on rank {rank} of {size})" in str(caught.value)
+    with pytest.raises(TypeError, match="sparse_coo tensor"):
+        dist.send(torch.eye(2).to_sparse(), (rank + 1) % size)
+    dist.barrier()  # nothing was sent: the ranks are in step
+
+
+@ranks(2)
+def test_a_second_thread_on_a_busy_group_cannot_send_through_the_lane():
+    rank, _ = world()
+    if rank == 1:
+        time.sleep(2)  # keeps rank 0's first thread inside its recv
+        dist.send(torch.ones(2), 0)
+        return
+    got = []
+    waiting = threading.Thread(target=lambda: got.append(dist.recv(1)), name="loader")
+    waiting.start()
+    time.sleep(0.5)
+    with pytest.raises(RuntimeError) as caught:
+        dist.send(torch.ones(1), 1)
+    assert "thread 'loader' is in a collective on this group already" in str(caught.value)
+    waiting.join(10)
+    assert not waiting.is_alive() and torch.equal(got[0], torch.ones(2))
 
 
 # -- rings and pairings ------------------------------------------------------------------------

@@ -30,32 +30,25 @@ and the receiver raises too instead of waiting.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Union, overload
+from typing import Any, Callable, Literal, TypeVar, Union, overload
 
 from torch import Tensor
 
 from distkit.dist._route import resolve
-from distkit.dist.backends.base import ObjectCall
-from distkit.dist.codec import policy
+from distkit.dist.backends import p2p as _p2p
+from distkit.dist.backends.tensors import TORCH
 from distkit.dist.core import args as _args
-from distkit.dist.core import layouts
+from distkit.dist.core import layouts, spec
 from distkit.dist.core.comm import Comm, GroupLike
+from distkit.dist.core.shortcut import shortcut
 from distkit.dist.handle import Handle
 
 _TAGS = layouts.P2P_TAGS
 
 
-_CALLS: dict[tuple[str, str], ObjectCall] = {}
-
-
-def _call(fn: str, comm: Comm) -> ObjectCall:
-    """How a point-to-point call reports errors and decodes objects (the process-wide
-    serializer; received tensors stay where they land)."""
-    serializer = policy.serializer_of(None, fn, comm)
-    found = _CALLS.get((fn, serializer))
-    if found is None:
-        found = _CALLS[(fn, serializer)] = ObjectCall(fn, None, serializer)
-    return found
+_F = TypeVar("_F", bound=Callable[..., Any])
+_call = _p2p.call_of
+_MISS = _p2p.MISS
 
 
 def _data(data: Any, name: str, fn: str, comm: Comm) -> None:
@@ -63,6 +56,14 @@ def _data(data: Any, name: str, fn: str, comm: Comm) -> None:
     DTensor); anything else travels as an object."""
     if isinstance(data, Tensor):
         _args.tensor(data, name, fn, comm)
+
+
+def _lane(method: str, peer: str, fn: Callable[..., Any]) -> Callable[[_F], _F]:
+    """The shortcut the spec of ``method`` declares, in front of the public function: the
+    plain blocking call on a gloo group takes the torch backend's lane ``fn`` (see
+    :mod:`distkit.dist.backends.p2p`); with no process group the checked path raises."""
+    returns, when = spec.shortcut_of(method, {})
+    return shortcut(returns, lane=(peer, int, fn, _MISS), **when)
 
 
 @overload
@@ -77,6 +78,7 @@ def send(
 def send(
     data: Any, dst: int, group: GroupLike = ..., tag: int = ..., async_op: bool = ...
 ) -> Union[Handle[None], None]: ...
+@_lane("send", "dst", TORCH.send_lane)
 def send(
     data: Any, dst: int, group: GroupLike = None, tag: int = 0, async_op: bool = False
 ) -> Union[Handle[None], None]:
@@ -152,6 +154,7 @@ def recv(
 ) -> Handle[Any]: ...
 @overload
 def recv(src: int, group: GroupLike = ..., tag: int = ..., async_op: bool = ...) -> Any: ...
+@_lane("recv", "src", TORCH.recv_lane)
 def recv(src: int, group: GroupLike = None, tag: int = 0, async_op: bool = False) -> Any:
     """Receive what rank ``src`` sends: a tensor of the sender's shape and dtype, or the
     object.

@@ -36,24 +36,26 @@ import threading
 from collections import deque
 from datetime import timedelta
 from threading import get_ident
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as td
 from torch import Tensor
 
+from distkit._compat import has_torch_function_unary, is_compiling
+from distkit.dist.backends.base import ObjectCall
+from distkit.dist.codec import policy
 from distkit.dist.codec import wire as _wire
 from distkit.dist.core import args as _args
 from distkit.dist.core import layouts
+from distkit.dist.core.comm import _FACTS, Comm
 from distkit.dist.core.layouts import P2P_FAILED, P2P_HEAD, P2P_OBJECT, P2P_TENSOR
 from distkit.dist.errors import CollectiveTimeoutError
 from distkit.dist.guard import debugmode, pairs
+from distkit.dist.guard import record as _record
 from distkit.dist.guard.pairs import Op
+from distkit.dist.guard.watch import _local
 from distkit.dist.handle import Handle
-
-if TYPE_CHECKING:
-    from distkit.dist.backends.base import ObjectCall
-    from distkit.dist.core.comm import Comm
 
 #: Frames of a channel whose sizes set the next capacity.
 HISTORY = 4
@@ -733,6 +735,108 @@ def _quick_result(q: _Quick, public: str) -> Any:
 
 
 NOTHING = object()
+
+
+# -- the lanes ---------------------------------------------------------------------------
+#
+# ``send(t, dst)`` and ``recv(src)`` with every default, on a gloo group outside debug
+# mode: the public functions' shortcuts (:mod:`distkit.dist.core.shortcut`) call these
+# instead of resolving the group and checking each argument, as ``all_reduce(t)`` takes
+# :func:`distkit.dist.backends.tensors._all_reduce_lane`. Between two blocking messages
+# every layer of Python runs cold: the checked path's layers cost a 1 MiB message about
+# 30 us before it leaves (10 % of its time on this project's machine). Each condition
+# below is a plain attribute test; when one fails the lane returns :data:`MISS` and the
+# checked path runs, which raises what needs raising (a lane raises no argument error of
+# its own). The lanes keep what the watched backend gives every call: the thread that
+# holds the group (when another does, the checked path says so), the watchdog's note of
+# the wait, errors that name the peer; under a profile, the checked path runs (it records
+# the call). The messages are the checked path's, byte for byte.
+
+#: What a lane returns when the call needs the checked path.
+MISS = object()
+_STRIDED = torch.strided
+_has_torch_function = has_torch_function_unary
+
+
+def _lane_comm(pg: Any, peer: int) -> Optional[Comm]:
+    """The group ``pg`` as a lane takes it, holding it for this thread, or ``None`` when
+    the call needs the checked path (``peer``, an int, is out of range or this rank, or
+    anything else the fast path does not do)."""
+    if is_compiling() or getattr(_local, "depth", False) or _record.active is not None:
+        return None  # traced, inside another call, or recorded: the checked path
+    facts = _FACTS.get(id(pg))
+    if (
+        facts is None  # a group the checked path has not met yet, or none at all
+        or facts.ref() is not pg
+        or facts.broken
+        or facts.backend is None
+        or not facts.cpu_home
+        or "gloo" not in facts.backend_name  # backends that need exact sizes
+        or peer == facts.rank
+        or not 0 <= peer < facts.size
+        or pairs.debugging()
+    ):
+        return None
+    me = get_ident()
+    if facts.thread and facts.thread != me:
+        return None  # another thread is in a call on it: the checked path says so
+    facts.thread = me  # Comm.enter of a point-to-point call, inlined
+    return Comm(pg, facts.rank, facts.size, facts.backend, facts)
+
+
+def send_lane(data: Any, dst: int, pg: Any) -> Any:
+    """``send(data, dst)`` on the default group ``pg``: ``None`` once sent, or
+    :data:`MISS`."""
+    comm = _lane_comm(pg, dst) if data.__class__ is _TENSOR else None
+    if comm is None:
+        return MISS
+    facts = comm._facts
+    try:
+        posted = (
+            None
+            if data.layout is not _STRIDED  # sparse, MKL-DNN: the checked path says so
+            or data.is_nested
+            or _has_torch_function is None
+            or _has_torch_function(data)  # a torch function mode is active
+            else _quick_send(comm, data, dst, 0)
+        )
+        if posted is None:
+            return MISS  # a large tensor, an exotic one: the checked path
+        op, works, stage = posted
+        _wait_noted(comm, "send", op, works)
+        stage.works = []
+    finally:
+        facts.thread = 0  # type: ignore[union-attr]
+    return None
+
+
+def recv_lane(src: int, pg: Any) -> Any:
+    """``recv(src)`` on the default group ``pg``: what was sent, or :data:`MISS`."""
+    comm = _lane_comm(pg, src)
+    if comm is None:
+        return MISS
+    facts = comm._facts
+    try:
+        q = _quick_recv(comm, src, 0, call_of("recv", comm))
+        if q is None:
+            return MISS  # receives posted before it come first: the checked path
+        _wait_noted(comm, "recv", q.op, [q.work])
+        return _quick_result(q, "recv")
+    finally:
+        facts.thread = 0  # type: ignore[union-attr]
+
+
+_CALLS: dict[tuple[str, str], ObjectCall] = {}
+
+
+def call_of(fn: str, comm: Comm) -> ObjectCall:
+    """How the point-to-point call ``fn`` reports errors and decodes objects (the
+    process-wide serializer; received tensors stay where they land)."""
+    serializer = policy.serializer_of(None, fn, comm)
+    found = _CALLS.get((fn, serializer))
+    if found is None:
+        found = _CALLS[(fn, serializer)] = ObjectCall(fn, None, serializer)
+    return found
 
 
 def recv_fast(comm: Comm, src: int, tag: int, call: ObjectCall) -> Any:

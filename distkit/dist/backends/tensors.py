@@ -397,6 +397,11 @@ class TorchBackend(TorchObjects):
     #: single-process shortcut of :func:`distkit.dist.all_reduce` calls it when a process
     #: group exists. Returns ``None`` when the call needs the checked path.
     lane = staticmethod(_all_reduce_lane)
+    #: ``send(t, dst)`` and ``recv(src)`` with every default, likewise (their shortcuts
+    #: call them when a process group exists); :data:`~distkit.dist.backends.p2p.MISS`
+    #: when the call needs the checked path.
+    send_lane = staticmethod(_p2p.send_lane)
+    recv_lane = staticmethod(_p2p.recv_lane)
 
     @watched
     def all_reduce(self, comm: Comm, data: Tensor, op: Op, async_op: bool) -> Result[Tensor]:

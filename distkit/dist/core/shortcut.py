@@ -51,9 +51,9 @@ def _test(name: str, condition: Any, bind: Callable[[Any], str]) -> str:
 
 
 def shortcut(
-    returns: str,
+    returns: Optional[str],
     world: Optional[str] = None,
-    lane: Optional[tuple[str, Any, Callable[[Any], Any]]] = None,
+    lane: Optional[tuple[Any, ...]] = None,
     collective: bool = True,
     **when: Any,
 ) -> Callable[[F], F]:
@@ -61,14 +61,17 @@ def shortcut(
 
     Args:
         returns: Expression of the parameters to return when every condition holds and
-            there is no process group (``"data"``, ``"[data]"``, ``"0"``).
+            there is no process group (``"data"``, ``"[data]"``, ``"0"``); ``None`` for
+            a call that has no single-process result (``send``: there is no other rank),
+            whose checked path then runs and raises.
         world: Expression to return when every condition holds and a process group
             ``pg`` exists (``"pg.rank()"``); ``None`` lets the checked path run then.
-        lane: ``(name, condition, fn)``: when every condition holds, a process group
-            exists and parameter ``name`` meets ``condition`` too, ``fn(first
-            parameter, the default group)`` runs, and what it returns is the result
-            unless it is ``None`` (then the checked path runs). For a many-rank call
-            common enough to skip the checked path's layers (see
+        lane: ``(name, condition, fn)`` or ``(name, condition, fn, miss)``: when every
+            condition holds, a process group exists and parameter ``name`` meets
+            ``condition`` too, ``fn(the parameters without a default, in order, the
+            default group)`` runs, and what it returns is the result unless it is
+            ``miss`` (``None`` unless given; then the checked path runs). For a
+            many-rank call common enough to skip the checked path's layers (see
             :attr:`distkit.dist.backends.tensors.TorchBackend.lane`).
         collective: Whether the function is a collective: its guard then reads "is
             there a process group?" through :func:`distkit._registry.guard`, so that a
@@ -83,6 +86,8 @@ def shortcut(
         A decorator; the function it returns has the decorated function's signature,
         docstring and module, and the decorated function as ``__wrapped__``.
     """
+
+    assert returns is not None or lane is not None, "a shortcut returns something"
 
     def compile_(checked: F) -> F:
         sig = inspect.signature(checked)
@@ -107,15 +112,21 @@ def shortcut(
         tests = [_test(name, cond, bind) for name, cond in when.items()] or ["True"]
         body = [f"        if {' and '.join(tests)}:"]
         if lane is not None:
-            name, condition, fn = lane
-            first = next(iter(sig.parameters))
+            name, condition, fn = lane[:3]
+            miss = bind(lane[3]) if len(lane) > 3 else "None"
+            required = [p.name for p in sig.parameters.values() if p.default is p.empty]
+            body += ["            pg = _world._default_pg"]
+            if returns is None:  # no single-process result: the checked path raises
+                body += ["            if pg is not None and " + _test(name, condition, bind) + ":"]
+            else:
+                body += [
+                    "            if pg is None:",
+                    f"                return {returns}",
+                    f"            if {_test(name, condition, bind)}:",
+                ]
             body += [
-                "            pg = _world._default_pg",
-                "            if pg is None:",
-                f"                return {returns}",
-                f"            if {_test(name, condition, bind)}:",
-                f"                done = {bind(fn)}({first}, pg)",
-                "                if done is not None:",
+                f"                done = {bind(fn)}({', '.join([*required, 'pg'])})",
+                f"                if done is not {miss}:",
                 "                    return done",
             ]
         elif world is None:

@@ -35,8 +35,10 @@ class Spec(NamedTuple):
     eager_reason: str
     #: The single-process shortcut (see :mod:`distkit.dist.core.shortcut`): the result,
     #: an expression of the parameters, and the conditions (parameter -> condition)
-    #: under which the shortcut returns it; ``None`` when the collective has none.
-    shortcut: Optional[tuple[str, dict[str, Any]]] = None
+    #: under which the shortcut returns it; ``None`` when the collective has none. A
+    #: result of ``None``: the call has no single-process result (``send``: there is no
+    #: other rank), and the conditions only guard its lane on a process group.
+    shortcut: Optional[tuple[Optional[str], dict[str, Any]]] = None
     #: Whether it is a point-to-point call (between pairs of ranks, not the whole group):
     #: it takes no call number on the group, and debug mode checks it with its peer.
     point_to_point: bool = False
@@ -52,6 +54,8 @@ _PAIRS = (
     "moves data point to point, with shapes only the sender knows (and pickles objects), "
     "which cannot be traced"
 )
+
+_PLAIN_P2P = {"group": None, "tag": 0, "async_op": False}
 
 #: Every collective, by backend method.
 SPECS: dict[str, Spec] = {
@@ -132,8 +136,10 @@ SPECS: dict[str, Spec] = {
     "all_to_all_object": Spec("all_to_all_object", ("serializer",), None, _PICKLES),
     # point to point: nothing must match across the group; a send pairs with its peer's
     # recv (see distkit.dist.guard.pairs)
-    "send": Spec("send", (), None, _PAIRS, point_to_point=True),
-    "recv": Spec("recv", (), None, _PAIRS, point_to_point=True),
+    # (with every default, on a process group, they take the torch backend's lanes; with
+    # none there is no other rank, and the checked path raises)
+    "send": Spec("send", (), None, _PAIRS, (None, _PLAIN_P2P), point_to_point=True),
+    "recv": Spec("recv", (), None, _PAIRS, (None, _PLAIN_P2P), point_to_point=True),
     "exchange": Spec("exchange", (), None, _PAIRS, point_to_point=True),
 }
 
@@ -146,7 +152,7 @@ def eager_reason(method: str) -> str:
     return f"distkit.dist.{method} {SPECS[method].eager_reason}: it runs eagerly between graphs"
 
 
-def shortcut_of(method: str, types: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def shortcut_of(method: str, types: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
     """The single-process shortcut of ``method`` with its type names bound (``types``:
     name -> class or predicate)."""
     spec = SPECS[method].shortcut
