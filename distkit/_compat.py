@@ -136,6 +136,16 @@ has_torch_function_unary: Optional[Callable[[Any], bool]] = getattr(
 )
 
 
+_use_count: Optional[Callable[[int], int]] = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_use_count(storage: Any) -> Optional[int]:
+    """How many references hold ``storage`` (an ``UntypedStorage``) in C++: the tensors
+    made on it, and its Python object as this torch counts it; ``None`` when this torch
+    cannot tell (then a buffer is never taken for unused, and a new one is made)."""
+    return None if _use_count is None else _use_count(storage._cdata)
+
+
 def coalescing(world: Any, pg: Any) -> bool:
     """Whether ``pg`` is inside torch's ``_coalescing_manager`` (collectives are queued,
     not run). Unknown on a torch without the registry's record: then say yes, so that the

@@ -19,6 +19,8 @@ from torch.distributed import distributed_c10d as c10d
 # what a torch without distkit's private names looks like, before distkit is imported
 saved = torch._C._has_torch_function_unary
 del torch._C._has_torch_function_unary
+counted = torch._C._storage_Use_Count
+del torch._C._storage_Use_Count
 del torch._utils._flatten_dense_tensors, torch._utils._unflatten_dense_tensors
 sys.modules["torch.distributed._functional_collectives"] = None
 import distkit, distkit.dist as dist
@@ -26,7 +28,9 @@ from distkit import _compat
 _compat.torch_registry = lambda: _compat._PublicRegistry()  # no registry (nor its record
 # of coalescing): the public API, and the lean lane steps aside
 torch._C._has_torch_function_unary = saved  # torch itself needs it; distkit saw it gone
+torch._C._storage_Use_Count = counted
 assert _compat.has_torch_function_unary is None
+assert _compat.storage_use_count(torch.ones(1).untyped_storage()) is None
 assert _compat.functional_collectives() is None
 
 
@@ -42,6 +46,10 @@ def body():
     out.append(dist.all_gather_object({"rank": rank}))
     params = [torch.ones(3), torch.ones(2, dtype=torch.int64)]
     out.append([p.tolist() for p in dist.all_reduce_params(params)])
+    # point to point: the lanes step aside, and no receive buffer is taken for unused
+    for k in range(3):
+        got = dist.send(torch.full((2,), k), 1) if rank == 0 else dist.recv(0)
+        out.append(None if got is None else got.tolist())
     return out
 
 
@@ -60,6 +68,7 @@ def test_collectives_run_without_torchs_private_names():
         assert out[7] == [[1.0] * (rank + 1)] * 2
         assert out[8] == [{"rank": 0}, {"rank": 1}]
         assert out[9] == [[2.0, 2.0, 2.0], [2, 2]]
+        assert out[10:] == ([None] * 3 if rank == 0 else [[k, k] for k in range(3)])
 
 
 #: What only distkit/_compat.py may reach: torch's underscored names

@@ -396,6 +396,80 @@ def test_a_second_thread_on_a_busy_group_cannot_send_through_the_lane():
     assert not waiting.is_alive() and torch.equal(got[0], torch.ones(2))
 
 
+def _keepers():
+    """Ways to keep a received tensor's memory while dropping the tensor itself."""
+    import torch.utils.dlpack
+
+    class Sub(torch.Tensor):
+        pass
+
+    return {
+        "a view": lambda r: r[1:],
+        "a reshaped view": lambda r: r.view(-1),
+        "its storage": lambda r: r.untyped_storage(),
+        "an array": lambda r: r.numpy(),
+        "a memoryview of an array": lambda r: memoryview(r.numpy()),
+        "its base": lambda r: r._base,
+        "a dlpack capsule": lambda r: torch.utils.dlpack.to_dlpack(r),
+        "a subclass view": lambda r: r.as_subclass(Sub),
+        "a dtype view": lambda r: r.view(torch.int32),
+    }
+
+
+def _read(kept) -> list:
+    """The values ``kept`` (see :func:`_keepers`) sees, as float32."""
+    import torch.utils.dlpack
+
+    if isinstance(kept, memoryview):
+        kept = torch.frombuffer(kept, dtype=torch.float32)
+    elif isinstance(kept, torch.UntypedStorage):
+        kept = torch.tensor([], dtype=torch.uint8).set_(kept)
+    elif type(kept).__name__ == "PyCapsule":
+        kept = torch.utils.dlpack.from_dlpack(kept)
+    t = torch.as_tensor(kept)
+    if t.dtype is not torch.float32:
+        t = t.contiguous().view(torch.uint8).view(torch.float32)
+    return t.flatten().tolist()
+
+
+@ranks(2)
+def test_a_receive_buffer_is_reused_only_once_nothing_holds_its_memory():
+    """recv returns views of its channel's buffer, and receives the next message into it
+    again once the result is dropped: never while anything still reaches that memory."""
+    rank = dist.get_rank()
+    keepers = _keepers()
+    n = 64 * 1024  # 256 KiB: past the sizes that are copied out of their buffer
+    if rank == 0:
+        for k in range(3 + 3 * len(keepers) + 2):
+            dist.send(torch.full((4, n // 4), float(k)), 1)
+        return
+    # dropped results: the next message lands in the same memory
+    ptrs = [dist.recv(0).data_ptr() for _ in range(3)]
+    if torch._C.__dict__.get("_storage_Use_Count") is not None:
+        assert ptrs[1] == ptrs[2], ptrs  # the fast path really reuses it
+    k = 3
+    for name, keep in keepers.items():
+        got = dist.recv(0)
+        kept = keep(got)
+        capsule = name == "a dlpack capsule"  # read once only: at the end
+        expected = got.flatten().tolist() if capsule else _read(kept)
+        del got
+        for _ in range(2):  # two more messages: neither may land in the kept memory
+            k += 1
+            assert dist.recv(0).flatten()[0].item() == k
+        assert _read(kept) == expected, name
+        # what is kept shows the message (its storage and base: behind the frame's head)
+        assert expected.count(float(k - 2)) >= n - (n // 4 if "view" in name else 0), name
+        k += 1
+    # moved to shared memory (as a torch.multiprocessing queue does when it is put in one):
+    # another process may map it, and no count in this one sees that
+    got = dist.recv(0)
+    got.share_memory_()
+    shared = got.data_ptr()
+    del got
+    assert dist.recv(0).data_ptr() != shared
+
+
 # -- rings and pairings ------------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import sys
 import threading
 from collections import deque
 from datetime import timedelta
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as td
 from torch import Tensor
 
-from distkit._compat import has_torch_function_unary, is_compiling
+from distkit._compat import has_torch_function_unary, is_compiling, storage_use_count
 from distkit.dist.backends.base import ObjectCall
 from distkit.dist.codec import policy
 from distkit.dist.codec import wire as _wire
@@ -102,10 +103,60 @@ class _Stage:
         return found
 
 
+class _Spare:
+    """Holds a receive buffer that may be free (see :func:`_unused`)."""
+
+    __slots__ = ("spare",)
+
+    def __init__(self, buf: Optional[Tensor] = None) -> None:
+        self.spare = buf
+
+
+def _holders(holder: Any) -> Optional[tuple[int, int, int]]:
+    """Who holds ``holder.spare``'s memory: Python references to the tensor and to its
+    storage's object, and the storage's references in C++ (each tensor made on it counts
+    one); ``None`` when this torch cannot count the last."""
+    t = holder.spare
+    st = t.untyped_storage()
+    n = storage_use_count(st)
+    return None if n is None else (sys.getrefcount(t), sys.getrefcount(st), n)
+
+
+#: A buffer nothing else ever holds: what the counts of :func:`_holders` read for a buffer
+#: held by its holder alone, on this torch (measured the same way, so they mean the same)
+_PROBE = _Spare(torch.empty(ALIGN, dtype=torch.uint8))
+#: Held while the probe is measured: a second thread measuring it at the same time would
+#: add its own references to the counts, which could then hide one of the caller's
+_PROBE_LOCK = threading.Lock()
+
+
+def _unused(ch: Channel, cap: int) -> Optional[Tensor]:
+    """The channel's last receive buffer, when it has ``cap`` bytes and nothing but the
+    channel holds its memory any more: the result made of it, every view of that, every
+    storage object and every array of it dropped (each one would count in
+    :func:`_holders`); else ``None``, and a new buffer is made."""
+    spare = ch.spare
+    if spare.spare is None:
+        return None
+    with _PROBE_LOCK:
+        alone = _holders(_PROBE)  # both measured before any other reference is taken
+    held = _holders(spare)
+    buf, spare.spare = spare.spare, None  # in use from here on (or dropped)
+    if alone is None or held != alone or buf.numel() != cap:
+        return None
+    storage = buf.untyped_storage()
+    if storage.nbytes() != cap or storage.data_ptr() != buf.data_ptr():
+        return None  # resized or replaced under it: never read through it again
+    if storage.is_shared():
+        return None  # moved to shared memory (put in a torch.multiprocessing queue):
+        # another process may map it, which no count here sees
+    return buf
+
+
 class Channel:
     """One direction of one pair on one tag, at this end."""
 
-    __slots__ = ("count", "guess", "history", "lock", "queue", "stage")
+    __slots__ = ("count", "guess", "history", "lock", "queue", "spare", "stage")
 
     def __init__(self) -> None:
         self.count = 0  # messages made on it (the next one's number is count + 1)
@@ -113,6 +164,10 @@ class Channel:
         self.queue: deque[Receive] = deque()  # receives whose messages are not all posted
         self.lock = threading.RLock()  # one thread drives its receives at a time
         self.stage: Optional[_Stage] = None  # a sender's frame buffer, reused
+        # a receiver's last frame buffer on the fast path, received into again once its
+        # result is dropped (see _unused): no page faults and warm caches, as torch's recv
+        # into a tensor allocated once
+        self.spare = _Spare()
         # a receiver's last tensor frame on the fast path: (head bytes before and after
         # the number, head, frame, dtype, dims), to build the next result while it comes
         self.guess: Optional[tuple[bytes, bytes, int, int, Any, tuple]] = None
@@ -670,7 +725,8 @@ class _Quick:
         self.comm, self.src, self.tag, self.call, self.ch = comm, src, tag, call, ch
         self.number = ch.count + 1
         self.cap = capacity(ch.history, False)
-        self.buf = torch.empty(self.cap, dtype=torch.uint8)
+        reused = _unused(ch, self.cap)
+        self.buf = torch.empty(self.cap, dtype=torch.uint8) if reused is None else reused
         pg = comm.pg
         assert pg is not None
         self.work: Any = pg.recv([self.buf], src, layouts.P2P_TAG_BASE + tag)
@@ -703,6 +759,7 @@ def _quick_result(q: _Quick, public: str) -> Any:
     guess = ch.guess
     if q.view is not None and guess and ctypes.string_at(ptr, len(q.expected)) == q.expected:
         ch.history.append(guess[3])
+        ch.spare.spare = buf  # the result is a view of it: free again once that is dropped
         return q.view
     kind, head, frame, got, apart, code, ndim, _ = P2P_HEAD.unpack(ctypes.string_at(ptr, 64))
     if (
@@ -726,6 +783,7 @@ def _quick_result(q: _Quick, public: str) -> Any:
             body = buf[head:frame]
             if _copied(frame, cap):  # a small part of a large buffer: memory of its own
                 body = body.clone()
+            ch.spare.spare = buf
             return body.view(dtype).view(dims)
     ch.guess = None  # anything else: the general path reads the frame again
     rcv = Receive(q.comm, q.src, q.tag, number, q.call, ch)
