@@ -211,3 +211,73 @@ def test_a_second_thread_on_a_busy_group_raises_instead_of_aborting():
     assert "thread 'trainer' is in a collective on this group already" in msg
     waiting.join(10)
     assert not waiting.is_alive()
+
+
+@ranks(0, 2, 3)
+def test_a_default_device_set_by_the_user_does_not_move_distkits_own_buffers():
+    """``torch.set_default_device`` (common in LLM code) moves every tensor made without
+    a device: distkit's staging buffers name theirs, or a "meta" or "cuda" default would
+    put them where distkit writes through CPU pointers (a crash, not an error)."""
+    rank, size = world()
+    cpu = torch.device("cpu")
+    torch.set_default_device("meta")
+    try:
+        obj = {"rank": rank, "t": torch.arange(70_000, device=cpu) + rank}
+        gathered = dist.all_gather_object(obj)
+        assert [g["rank"] for g in gathered] == list(range(size))
+        assert all(
+            torch.equal(g["t"], torch.arange(70_000, device=cpu) + r)
+            for r, g in enumerate(gathered)
+        )
+        assert dist.broadcast_object({"x": torch.ones(3, device=cpu)}, src=0)["x"].device == cpu
+        uneven = dist.all_gather(torch.ones(rank + 300_000, device=cpu))
+        assert [u.numel() for u in uneven] == [r + 300_000 for r in range(size)]
+        summed = dist.reduce_scatter(torch.ones(2 * size, device=cpu))
+        assert summed.tolist() == [float(size)] * 2
+        got = dist.collect_results([rank] * 3, 3 * size)  # rank 0 gets them, in order
+        assert got == (list(range(size)) * 3 if rank == 0 else None)
+        with debug_mode():
+            assert dist.all_reduce(torch.ones(1, device=cpu)).item() == size
+        if size > 1:
+            nxt, prv = (rank + 1) % size, (rank - 1) % size
+            ring = dist.exchange({nxt: torch.full((300_000,), rank, device=cpu)}, [prv])
+            assert torch.equal(ring[prv], torch.full((300_000,), prv, device=cpu))
+            if rank == 0:
+                for k in range(3):
+                    dist.send(torch.full((4, 70_000), k, device=cpu), 1)
+                dist.send({"k": torch.ones(2, device=cpu)}, 1)
+            elif rank == 1:
+                for k in range(3):
+                    assert torch.equal(dist.recv(0), torch.full((4, 70_000), k, device=cpu))
+                assert dist.recv(0)["k"].device == cpu
+    finally:
+        torch.set_default_device(None)
+
+
+#: torch's factories that place a tensor on the default device unless told otherwise
+_FACTORIES = {"empty", "zeros", "ones", "full", "arange", "tensor", "as_tensor", "eye"}
+#: tools whose tensors are their own workload, made in processes they start
+_TOOLS = ("bench.py", "bench_peers.py", "scale_bench.py", "scale_model.py", "testing")
+
+
+def test_every_tensor_distkit_makes_names_its_device():
+    import ast
+
+    from conftest import ROOT
+
+    unnamed, seen = [], 0
+    for path in sorted((ROOT / "distkit").rglob("*.py")):
+        if any(part in _TOOLS for part in path.relative_to(ROOT / "distkit").parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+                and node.func.attr in _FACTORIES
+            ):
+                seen += 1
+                if not any(k.arg == "device" for k in node.keywords):
+                    unnamed.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert seen > 30 and unnamed == [], unnamed  # (the scan sees distkit's factories)

@@ -471,13 +471,23 @@ def _layout(
                 "or pass the number of samples actually evaluated as size",
             )
         if order == "interleaved" and n > 1 and len(set(counts)) == 1:
-            slots = torch.arange(size)  # the DistributedSampler case: equal shards
+            slots = torch.arange(size, device="cpu")  # the DistributedSampler case: equal shards
             return slots % n, slots // n
-    ranks = torch.repeat_interleave(torch.arange(n), torch.tensor(counts, dtype=torch.int64))
-    positions = torch.cat([torch.arange(c) for c in counts]) if counts else torch.empty(0)
+    ranks = torch.repeat_interleave(
+        torch.arange(n, device="cpu"), torch.tensor(counts, dtype=torch.int64, device="cpu")
+    )
+    positions = (
+        torch.cat([torch.arange(c, device="cpu") for c in counts])
+        if counts
+        else torch.empty(0, device="cpu")
+    )
     positions = positions.long()
     if index_parts is not None:
-        idx = torch.cat(index_parts).long() if index_parts else torch.empty(0, dtype=torch.long)
+        idx = (
+            torch.cat(index_parts).long()
+            if index_parts
+            else torch.empty(0, dtype=torch.long, device="cpu")
+        )
         bad = ((idx < 0) | (idx >= size)).nonzero()
         if bad.numel():
             k = int(bad[0])
@@ -488,9 +498,9 @@ def _layout(
                 f"rank {int(ranks[k])} reported dataset index {int(idx[k])}, outside 0..{size - 1}",
             )
         ordered, perm = torch.sort(idx, stable=True)
-        first = torch.ones(len(ordered), dtype=torch.bool)
+        first = torch.ones(len(ordered), dtype=torch.bool, device="cpu")
         first[1:] = ordered[1:] != ordered[:-1]  # the first copy of a repeated index wins
-        present = torch.zeros(size, dtype=torch.bool)
+        present = torch.zeros(size, dtype=torch.bool, device="cpu")
         present[ordered[first]] = True
         missing = (~present).nonzero().flatten().tolist()
         if missing:
@@ -729,7 +739,7 @@ def _plan(
             text = text.removeprefix(f"rank {comm.rank} ")
         failure = _stream.Failure(_args.error_code(exc), text)
         return _stream.Plan(len(results), None, None, failure, None), exc, []
-    sizes_t = None if data is not None else torch.tensor(sizes, dtype=torch.int64)
+    sizes_t = None if data is not None else torch.tensor(sizes, dtype=torch.int64, device="cpu")
     return _stream.Plan(len(results), sizes_t, mine, None, data), None, sizes
 
 
@@ -737,7 +747,7 @@ def _int64(indices: list[int], size: int, fn: str, comm: Comm) -> Tensor:
     """``indices`` as an int64 tensor; an index past int64 is refused as out of range
     (as ``dst`` refuses any other, naming this rank)."""
     try:
-        return torch.tensor(indices, dtype=torch.int64)
+        return torch.tensor(indices, dtype=torch.int64, device="cpu")
     except (OverflowError, RuntimeError, ValueError):  # which one depends on torch
         bad = next(i for i in indices if not -(2**63) <= i < 2**63)
         _args.fail(
@@ -821,15 +831,19 @@ def _open(
     _stream.announce(opened, None, stream, tag, {r: wanted[r] for r in serving})
     if not serving:  # everything is here already: no rounds
         return _alone(results, ranks, positions, inline, rank, _stream.Held(comm))
-    none = torch.zeros(0, dtype=torch.int64)
+    none = torch.zeros(0, dtype=torch.int64, device="cpu")
     costs = torch.cat(
         [
             p.sizes if r in serving and p.sizes is not None else none.new_zeros(p.length)
             for r, p in enumerate(plans)
         ]
     )
-    starts = torch.tensor([0] + [p.length for p in plans]).cumsum(0)[:-1]
-    cost = costs[starts[ranks] + positions] if size else torch.zeros(0, dtype=torch.int64)
+    starts = torch.tensor([0] + [p.length for p in plans], device="cpu").cumsum(0)[:-1]
+    cost = (
+        costs[starts[ranks] + positions]
+        if size
+        else torch.zeros(0, dtype=torch.int64, device="cpu")
+    )
     receiver = _stream.Receiver(
         opened, stream, tag, results, ranks, positions, cost, chunk_bytes, call, inline, serving
     )

@@ -119,7 +119,7 @@ def _same_layout(data: Mapping[Any, Tensor], keys: list[Any], comm: Comm, fn: st
     layout = _layout(data, keys)
     digest = hashlib.blake2b("\n".join(layout).encode(), digest_size=7).digest()
     value = int.from_bytes(digest, "little")
-    check = torch.tensor([value, -value], dtype=torch.int64)
+    check = torch.tensor([value, -value], dtype=torch.int64, device="cpu")
     all_reduce(check, "max", comm.pg)
     if check.tolist() == [value, -value]:
         return
@@ -300,5 +300,5 @@ def sync_random_seed(group: GroupLike = None) -> int:
     with _record.collector("sync_random_seed"):  # one call in a profile
         if comm.alone:
             return seed
-        t = torch.tensor([seed], dtype=torch.int64)
+        t = torch.tensor([seed], dtype=torch.int64, device="cpu")
         return int(broadcast(t, 0, group).item())

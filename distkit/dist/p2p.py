@@ -178,7 +178,10 @@ def recv(src: int, group: GroupLike = None, tag: int = 0, async_op: bool = False
     Returns:
         A new tensor (contiguous, on this rank's communication device: the CPU under
         gloo, the current GPU under nccl), or the object (its tensors where the object
-        collectives put them), or a handle with ``async_op=True``.
+        collectives put them), or a handle with ``async_op=True``. The tensor's memory
+        is its own: a later message may land in memory an earlier result used only
+        once nothing holds that memory any more (the result, a view or array of it, its
+        storage), as torch's ``recv`` into one tensor allocated once would.
 
     Raises:
         TypeError: An argument has the wrong type, or ``src`` sent an object it could not

@@ -82,7 +82,7 @@ class _Stage:
     __slots__ = ("ptr", "raw", "size", "tensor", "views", "works")
 
     def __init__(self, size: int) -> None:
-        self.tensor = torch.empty(size, dtype=torch.uint8)
+        self.tensor = torch.empty(size, dtype=torch.uint8, device="cpu")
         self.size = size
         self.ptr = self.tensor.data_ptr()
         self.raw = (ctypes.c_char * size).from_address(self.ptr)  # for struct.pack_into
@@ -124,7 +124,7 @@ def _holders(holder: Any) -> Optional[tuple[int, int, int]]:
 
 #: A buffer nothing else ever holds: what the counts of :func:`_holders` read for a buffer
 #: held by its holder alone, on this torch (measured the same way, so they mean the same)
-_PROBE = _Spare(torch.empty(ALIGN, dtype=torch.uint8))
+_PROBE = _Spare(torch.empty(ALIGN, dtype=torch.uint8, device="cpu"))
 #: Held while the probe is measured: a second thread measuring it at the same time would
 #: add its own references to the counts, which could then hide one of the caller's
 _PROBE_LOCK = threading.Lock()
@@ -489,7 +489,7 @@ class Receive:
                 raise self._broken(str(exc)) from None
             if len(sizes) + int(dev_bytes > 0) != apart:
                 raise self._broken(f"{apart} parts apart announced, {len(sizes)} in its table")
-            self.parts = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            self.parts = [torch.empty(n, dtype=torch.uint8, device="cpu") for n in sizes]
             if dev_bytes:
                 self.parts.append(torch.empty(dev_bytes, dtype=torch.uint8, device=dev))
             return list(self.parts)
@@ -725,8 +725,10 @@ class _Quick:
         self.comm, self.src, self.tag, self.call, self.ch = comm, src, tag, call, ch
         self.number = ch.count + 1
         self.cap = capacity(ch.history, False)
-        reused = _unused(ch, self.cap)
-        self.buf = torch.empty(self.cap, dtype=torch.uint8) if reused is None else reused
+        buf = _unused(ch, self.cap)
+        if buf is None:
+            buf = torch.empty(self.cap, dtype=torch.uint8, device="cpu")
+        self.buf = buf
         pg = comm.pg
         assert pg is not None
         self.work: Any = pg.recv([self.buf], src, layouts.P2P_TAG_BASE + tag)

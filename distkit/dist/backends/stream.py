@@ -192,7 +192,7 @@ class Link:
         return packs
 
 
-_NONE = torch.empty(0, dtype=torch.uint8)
+_NONE = torch.empty(0, dtype=torch.uint8, device="cpu")
 
 
 # -- the plan ------------------------------------------------------------------------
@@ -462,7 +462,7 @@ def announce(
     late = {}
     for r, positions in (wanted or {}).items():
         m = positions.numel()
-        ordered = bool(torch.equal(positions, torch.arange(m)))
+        ordered = bool(torch.equal(positions, torch.arange(m, device=positions.device)))
         layouts.VERDICT_ROW.pack_into(raw, _verdict_at(r), GO, m, int(ordered))
         if not ordered:
             late[r] = positions
@@ -478,7 +478,7 @@ def verdict(opened: Opened, own: Optional[BaseException]) -> tuple[int, int, int
     """A rank's verdict from ``dst``: (kind, stream, tag, positions). Raises this rank's
     own error ``own`` once it has it, or the error ``dst`` stopped the call with."""
     comm, fn, dst = opened.comm, opened.fn, opened.dst
-    slot = torch.zeros(_verdict_bytes(comm.size), dtype=torch.uint8)
+    slot = torch.zeros(_verdict_bytes(comm.size), dtype=torch.uint8, device="cpu")
     got = comm.backend.broadcast(comm, slot, dst, False)
     raw = _wire.bytes_view(got.cpu())
     failed, stream, tag, n_fail = layouts.VERDICT_HEAD.unpack_from(raw, 0)
@@ -573,7 +573,7 @@ class Server:
                 text = text.replace(f" (on {_args.where(self.comm)})", "", 1)
                 self.refuse(Failure(_args.error_code(exc), f"could not send its results: {text}"))
                 raise
-            self.link.send(self.dst, torch.tensor([enc.cpu.numel(), end - start]))
+            self.link.send(self.dst, torch.tensor([enc.cpu.numel(), end - start], device="cpu"))
             self.link.send(self.dst, enc.cpu)
             del enc, items
             start = end
@@ -581,7 +581,7 @@ class Server:
     def refuse(self, failure: Failure) -> None:
         """Tell dst (waiting for an answer) what failed here; serve no more."""
         raw = failure.encode()
-        self.link.send(self.dst, torch.tensor([-1, len(raw)]))
+        self.link.send(self.dst, torch.tensor([-1, len(raw)], device="cpu"))
         self.link.send_bytes(self.dst, raw)
         self.finish()
 

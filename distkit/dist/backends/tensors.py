@@ -268,7 +268,7 @@ def _send_failure(error: Exception, src_global: int, dev: torch.device, comm: Co
     headers[0, 0], headers[0, 1] = layouts.FAILED_ROW, len(text)
     headers[0, 2] = _args.error_code(error)
     td.broadcast(headers, src_global, group=comm.pg)
-    message = torch.tensor(list(text), dtype=torch.uint8)
+    message = torch.tensor(list(text), dtype=torch.uint8, device="cpu")
     td.broadcast(message.to(dev), src_global, group=comm.pg)
 
 
@@ -561,7 +561,7 @@ class TorchBackend(TorchObjects):
             # reduces what it received: 1.3-1.9x faster than gloo's reduce_scatter (which
             # all-reduces everything), correct for every op (gloo's ignored op before 2.7
             # and had no list form), and the same on every torch release.
-            received = torch.empty((size, *chunk_shape), dtype=buf.dtype)
+            received = torch.empty((size, *chunk_shape), dtype=buf.dtype, device="cpu")
             work = td.all_to_all_single(received, buf, group=comm.pg, async_op=async_op)
 
             def finish() -> Tensor:
@@ -643,7 +643,9 @@ class TorchBackend(TorchObjects):
         which every rank sees in the row it received from that rank.
         """
         out_sizes = [row[1] if row[1] > INLINE_DIMS else 0 for row in rows]
-        sends = [torch.tensor(t.shape, dtype=torch.int64) for t in staged if _is_long(t)]
+        sends = [
+            torch.tensor(t.shape, dtype=torch.int64, device="cpu") for t in staged if _is_long(t)
+        ]
         send = torch.cat(sends).to(dev) if sends else torch.empty(0, dtype=torch.int64, device=dev)
         in_sizes = [t.dim() if _is_long(t) else 0 for t in staged]
         recv = torch.empty(sum(out_sizes), dtype=torch.int64, device=dev)
@@ -722,7 +724,7 @@ class TorchBackend(TorchObjects):
             shapes = torch.zeros((comm.size, longest), dtype=torch.int64, device=dev)
             if rank == src:
                 for r, t in enumerate(staged):
-                    shapes[r, : t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+                    shapes[r, : t.dim()] = torch.tensor(t.shape, dtype=torch.int64, device=dev)
             td.broadcast(shapes, src_global, group=comm.pg)
             full = shapes.tolist()
         metas = [_parse(row, f) for row, f in zip(rows, full)]

@@ -164,7 +164,9 @@ def all_gather(comm: Comm, mine: Tensor, row: list[int]) -> tuple[list[Any], Fin
     if widest and dev.type == "cpu" and widest >= BROADCAST_BYTES:
         # each rank's header rides in front of its bytes, in its own broadcast
         frames = [
-            framed(caps[r]) if r == rank else torch.empty(head + caps[r], dtype=torch.uint8)
+            framed(caps[r])
+            if r == rank
+            else torch.empty(head + caps[r], dtype=torch.uint8, device="cpu")
             for r in range(size)
         ]
         works = [
@@ -198,7 +200,9 @@ def all_gather(comm: Comm, mine: Tensor, row: list[int]) -> tuple[list[Any], Fin
             longest = max(over.values())
             if dev.type == "cpu" and longest >= BROADCAST_BYTES:
                 bufs = {
-                    r: mine[caps[r] :] if r == rank else torch.empty(k, dtype=torch.uint8)
+                    r: mine[caps[r] :]
+                    if r == rank
+                    else torch.empty(k, dtype=torch.uint8, device="cpu")
                     for r, k in over.items()
                 }
                 waits = [

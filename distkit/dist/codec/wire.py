@@ -121,7 +121,7 @@ def owned_bytes(raw: Any) -> Tensor:
     meanwhile waits for it forever (pytorch#75097).
     """
     n = memoryview(raw).nbytes
-    t = torch.empty(n, dtype=torch.uint8)
+    t = torch.empty(n, dtype=torch.uint8, device="cpu")
     if n:
         bytes_view(t)[:] = memoryview(raw).cast("B")
     return t
@@ -315,7 +315,7 @@ def encode(
         cpu = None
         raw = bytearray(cpu_size)
     else:
-        cpu = torch.empty(cpu_size, dtype=torch.uint8)
+        cpu = torch.empty(cpu_size, dtype=torch.uint8, device="cpu")
         raw = bytes_view(cpu)
     table = [v for pair in zip(sizes, places) for v in pair]
     layouts.WIRE_HEADER.pack_into(raw, 0, MAGIC, len(skeleton), len(blobs), dev_size)
@@ -504,7 +504,7 @@ class _Blobs(_safe.Tensors):
         source = self.dev if place == DEV_BLOB else self.cpu
         if place == APART_BLOB:  # memory of its own, received for this tensor alone
             t = self.apart[offset]
-            t = t.view(dtype).view(shape) if size else torch.zeros(shape, dtype=dtype)
+            t = t.view(dtype).view(shape) if size else torch.zeros(shape, dtype=dtype, device="cpu")
         elif size == 0 or source is None:  # no bytes, and so no element: zeros all the same
             device = source.device if source is not None else None
             t = torch.zeros(shape, dtype=dtype, device=device)

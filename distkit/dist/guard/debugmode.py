@@ -149,19 +149,19 @@ def exchange(comm: Comm, payload: Any) -> list[Any]:
     pg = get_cpu_group(comm.pg) or comm.pg
     raw = json.dumps(payload).encode()
     n = len(raw)
-    slot = torch.zeros(_SLOT, dtype=torch.uint8)
+    slot = torch.zeros(_SLOT, dtype=torch.uint8, device="cpu")
     layouts.LENGTH.pack_into(bytes_view(slot), 0, n)
     if n <= _SLOT - 8:
         bytes_view(slot)[8 : 8 + n] = raw
-    out = torch.empty(comm.size * _SLOT, dtype=torch.uint8)
+    out = torch.empty(comm.size * _SLOT, dtype=torch.uint8, device="cpu")
     all_gather_single(out, slot, group=pg)
     rows = out.view(comm.size, _SLOT)
     sizes = [layouts.LENGTH.unpack(bytes(rows[r, :8].tolist()))[0] for r in range(comm.size)]
     longest = max(sizes)
     if longest > _SLOT - 8:
-        big = torch.zeros(longest, dtype=torch.uint8)
+        big = torch.zeros(longest, dtype=torch.uint8, device="cpu")
         bytes_view(big)[:n] = raw
-        out = torch.empty(comm.size * longest, dtype=torch.uint8)
+        out = torch.empty(comm.size * longest, dtype=torch.uint8, device="cpu")
         all_gather_single(out, big, group=pg)
         rows = out.view(comm.size, longest)
         texts = [bytes(rows[r, : sizes[r]].tolist()) for r in range(comm.size)]
