@@ -47,7 +47,6 @@ _TAGS = layouts.P2P_TAGS
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-_call = _p2p.call_of
 _MISS = _p2p.MISS
 
 
@@ -141,7 +140,7 @@ def _send(data: Any, dst: int, group: GroupLike, tag: int, async_op: Any, fn: st
     tag = _args.tag(tag, fn, comm, _TAGS)
     async_op = _args.flag(async_op, "async_op", fn, comm)
     dst = _args.peer(dst, "dst", fn, comm)  # last: any dst fails in a world of one rank
-    return comm.backend.send(comm, data, dst, tag, async_op, _call(fn, comm))
+    return comm.backend.send(comm, data, dst, tag, async_op, _p2p.call_of(fn, comm))
 
 
 @overload
@@ -215,7 +214,7 @@ def _recv(src: int, group: GroupLike, tag: int, async_op: Any, fn: str) -> Any:
     tag = _args.tag(tag, fn, comm, _TAGS)
     async_op = _args.flag(async_op, "async_op", fn, comm)
     src = _args.peer(src, "src", fn, comm)  # last: any src fails in a world of one rank
-    return comm.backend.recv(comm, src, tag, async_op, _call(fn, comm))
+    return comm.backend.recv(comm, src, tag, async_op, _p2p.call_of(fn, comm))
 
 
 def isend(data: Any, dst: int, group: GroupLike = None, tag: int = 0) -> Handle[None]:
@@ -409,4 +408,4 @@ def exchange(
             "This rank's own entry comes back as passed: put it in both, or in neither",
         )
     tag = _args.tag(tag, fn, comm, _TAGS)
-    return comm.backend.exchange(comm, checked, sources, tag, _call(fn, comm))
+    return comm.backend.exchange(comm, checked, sources, tag, _p2p.call_of(fn, comm))

@@ -106,17 +106,17 @@ class _Stage:
 class _Spare:
     """Holds a receive buffer that may be free (see :func:`_unused`)."""
 
-    __slots__ = ("spare",)
+    __slots__ = ("buf",)
 
     def __init__(self, buf: Optional[Tensor] = None) -> None:
-        self.spare = buf
+        self.buf = buf
 
 
 def _holders(holder: Any) -> Optional[tuple[int, int, int]]:
-    """Who holds ``holder.spare``'s memory: Python references to the tensor and to its
+    """Who holds ``holder.buf``'s memory: Python references to the tensor and to its
     storage's object, and the storage's references in C++ (each tensor made on it counts
     one); ``None`` when this torch cannot count the last."""
-    t = holder.spare
+    t = holder.buf
     st = t.untyped_storage()
     n = storage_use_count(st)
     return None if n is None else (sys.getrefcount(t), sys.getrefcount(st), n)
@@ -136,12 +136,12 @@ def _unused(ch: Channel, cap: int) -> Optional[Tensor]:
     storage object and every array of it dropped (each one would count in
     :func:`_holders`); else ``None``, and a new buffer is made."""
     spare = ch.spare
-    if spare.spare is None:
+    if spare.buf is None:
         return None
     with _PROBE_LOCK:
         alone = _holders(_PROBE)  # both measured before any other reference is taken
     held = _holders(spare)
-    buf, spare.spare = spare.spare, None  # in use from here on (or dropped)
+    buf, spare.buf = spare.buf, None  # in use from here on (or dropped)
     if alone is None or held != alone or buf.numel() != cap:
         return None
     storage = buf.untyped_storage()
@@ -761,7 +761,7 @@ def _quick_result(q: _Quick, public: str) -> Any:
     guess = ch.guess
     if q.view is not None and guess and ctypes.string_at(ptr, len(q.expected)) == q.expected:
         ch.history.append(guess[3])
-        ch.spare.spare = buf  # the result is a view of it: free again once that is dropped
+        ch.spare.buf = buf  # the result is a view of it: free again once that is dropped
         return q.view
     kind, head, frame, got, apart, code, ndim, _ = P2P_HEAD.unpack(ctypes.string_at(ptr, 64))
     if (
@@ -785,16 +785,13 @@ def _quick_result(q: _Quick, public: str) -> Any:
             body = buf[head:frame]
             if _copied(frame, cap):  # a small part of a large buffer: memory of its own
                 body = body.clone()
-            ch.spare.spare = buf
+            ch.spare.buf = buf
             return body.view(dtype).view(dims)
     ch.guess = None  # anything else: the general path reads the frame again
     rcv = Receive(q.comm, q.src, q.tag, number, q.call, ch)
     rcv.cap, rcv.buf, rcv.stage = cap, buf, FRAME
     ch.queue.append(rcv)
     return finish(rcv, public)
-
-
-NOTHING = object()
 
 
 # -- the lanes ---------------------------------------------------------------------------
@@ -830,18 +827,18 @@ def _lane_comm(pg: Any, peer: int) -> Optional[Comm]:
         or facts.ref() is not pg
         or facts.broken
         or facts.backend is None
-        or not facts.cpu_home
-        or "gloo" not in facts.backend_name  # backends that need exact sizes
         or peer == facts.rank
         or not 0 <= peer < facts.size
-        or pairs.debugging()
     ):
         return None
+    comm = Comm(pg, facts.rank, facts.size, facts.backend, facts)
+    if not _fast(comm):
+        return None  # an accelerator's group, exact sizes, debug mode: the checked path
     me = get_ident()
     if facts.thread and facts.thread != me:
         return None  # another thread is in a call on it: the checked path says so
     facts.thread = me  # Comm.enter of a point-to-point call, inlined
-    return Comm(pg, facts.rank, facts.size, facts.backend, facts)
+    return comm
 
 
 def send_lane(data: Any, dst: int, pg: Any) -> Any:
@@ -901,13 +898,13 @@ def call_of(fn: str, comm: Comm) -> ObjectCall:
 
 def recv_fast(comm: Comm, src: int, tag: int, call: ObjectCall) -> Any:
     """Receive from ``src`` now if it takes the fast path (what was sent), else
-    :data:`NOTHING`. A message that turns out not to be a tensor in one frame is finished
+    :data:`MISS`. A message that turns out not to be a tensor in one frame is finished
     by the general path."""
     if not _fast(comm):
-        return NOTHING
+        return MISS
     q = _quick_recv(comm, src, tag, call)
     if q is None:
-        return NOTHING
+        return MISS
     _wait_noted(comm, call.fn, q.op, [q.work])
     return _quick_result(q, call.fn)
 

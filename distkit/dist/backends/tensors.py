@@ -780,7 +780,7 @@ class TorchBackend(TorchObjects):
     def recv(self, comm: Comm, src: int, tag: int, async_op: bool, call: ObjectCall) -> Result[Any]:
         if not async_op:
             got = _p2p.recv_fast(comm, src, tag, call)
-            if got is not _p2p.NOTHING:
+            if got is not _p2p.MISS:
                 return got
         waiter = _p2p.start(comm, call.fn, {}, [src], tag, call, not async_op)
         return _p2p.result(waiter, async_op, lambda: waiter.results[src])
