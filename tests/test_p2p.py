@@ -440,14 +440,23 @@ def test_a_receive_buffer_is_reused_only_once_nothing_holds_its_memory():
     keepers = _keepers()
     n = 64 * 1024  # 256 KiB: past the sizes that are copied out of their buffer
     if rank == 0:
-        for k in range(3 + 3 * len(keepers) + 2):
+        for k in range(4 + 3 * len(keepers) + 2):
             dist.send(torch.full((4, n // 4), float(k)), 1)
         return
-    # dropped results: the next message lands in the same memory
-    ptrs = [dist.recv(0).data_ptr() for _ in range(3)]
-    if torch._C.__dict__.get("_storage_Use_Count") is not None:
-        assert ptrs[1] == ptrs[2], ptrs  # the fast path really reuses it
-    k = 3
+    # dropped results: the next message lands in the same buffer (the very tensor the
+    # channel keeps, followed by a weak reference, which holds nothing)
+    import weakref
+
+    from distkit.dist._route import resolve
+
+    spare = _p2p.channel(resolve(None, "recv"), "recv", 0, 0).spare
+    for _ in range(2):  # the first, larger than the channel's capacity yet, comes in two
+        dist.recv(0)
+    kept = weakref.ref(spare.buf)
+    ptrs = [dist.recv(0).data_ptr() for _ in range(2)]
+    if torch._C.__dict__.get("_storage_Use_Count") is not None:  # torch can count
+        assert spare.buf is kept() and ptrs[0] == ptrs[1], ptrs
+    k = 4
     for name, keep in keepers.items():
         got = dist.recv(0)
         kept = keep(got)
