@@ -660,6 +660,35 @@ def test_a_collective_skipped_on_a_subgroup_is_a_deadlock_named_at_once(tmp_path
     assert "timed out" not in err
 
 
+IRECV_NOT_WAITED = """
+import torch, distkit.dist as dist
+dist.init_dist(timeout=120)
+if dist.get_rank() == 0:
+    dist.send(torch.ones(1000), 1)  # over a new channel's 4 KiB frame: two messages
+    dist.all_reduce(torch.ones(2))
+else:
+    h = dist.irecv(0)  # posts the frame; its second message waits for this rank's wait
+    dist.all_reduce(torch.ones(2))  # needs rank 0, blocked in its send
+    h.wait()
+print("NO ERROR", flush=True)
+"""
+
+
+def test_a_send_met_by_a_collective_is_a_deadlock_named_at_once(tmp_path):
+    start = time.monotonic()
+    proc = _launch(tmp_path, IRECV_NOT_WAITED)
+    assert proc.returncode == 1, proc.stderr
+    assert time.monotonic() - start < 60, "waited for the timeout"
+    assert "NO ERROR" not in proc.stdout, proc.stdout
+    err = proc.stderr
+    assert "CollectiveMismatchError: all_reduce: rank 0 waits in send with rank 1 (tag 0)" in err
+    site = f"{tmp_path / 'script.py'}:5 in <module>"
+    assert f"at {site}, while this rank waits for rank 0 here" in err
+    assert "on rank 1). Receive what a rank sends (and wait for an irecv's handle)" in err
+    assert "RankGoneError: send: rank 1 exited (code 1) with CollectiveMismatchError" in err
+    assert "timed out" not in err
+
+
 ASYMMETRIC = """
 import torch, distkit.dist as dist
 dist.init_dist(timeout=2)

@@ -24,9 +24,9 @@ the watchdog (:mod:`distkit.dist.guard.watchdog`) of every rank of the group say
 rank is, and the watchdog of a rank in that very call (blocked in it, or with it in flight
 through ``async_op=True``) takes its part in the check. A mismatch found that way raises on
 the checking ranks and is printed at once by the others (which raise it if their blocked
-call then fails). Where the answers show a deadlock across groups (this rank waits for
-rank 1 here, rank 1 waits for this rank in a collective of another group), the checking
-rank raises instead of waiting for the timeout.
+call then fails). Where the answers show a deadlock (this rank waits for rank 1 here,
+rank 1 waits for this rank in a collective of another group, or in a send or recv with
+this rank on this group), the checking rank raises instead of waiting for the timeout.
 
 Not checked: a call that is not in the sample (a call site seen more than
 :data:`VISITS` times), for example a last batch of another length on one rank; and every
@@ -289,20 +289,45 @@ def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, 
         if stop.get("deadlock"):
             raise errors.CollectiveMismatchError(
                 f"{public}: {stop['deadlock']} (found by distkit's default check, at call "
-                f"#{seq} on {debugmode.group_label(comm)}; on rank {me}). Every rank must call "
-                "the collectives of overlapping groups in the same order.",
+                f"#{seq} on {debugmode.group_label(comm)}; on rank {me}). "
+                + stop.get("advice", _ORDER),
                 [],
             )
     return total
 
 
+_ORDER = "Every rank must call the collectives of overlapping groups in the same order."
+
+
 def _blocked(
     board: Board, roll: int, others: list[int], facts: _GroupFacts, ranks: list[int], me: int
 ) -> Optional[dict]:
-    """From the answers to a roll call: a deadlock across groups (a rank this check waits
-    for waits, in a collective of another group, for this rank), or ``None``."""
+    """From the answers to a roll call: a deadlock (a rank this check waits for waits, in
+    a collective of another group or in a point-to-point call of this one, for this
+    rank), or ``None``.
+
+    A point-to-point call of another group is left alone: another thread of this rank may
+    serve it. On this group none can while this thread is in the check (a group serves one
+    thread at a time), so a peer blocked there with this rank waits for ever: a send whose
+    receive never comes, or whose irecv was posted but not waited for (the messages after
+    a frame are posted by the receiving rank's next call on the pair)."""
     answers = board.answers(roll, others, 0.0)
     for r, answer in sorted(answers.items()):
+        for there in answer.get("p2p", ()):
+            if there["gid"] != facts.gid or me not in there["peers"]:
+                continue
+            return {
+                "gone": False,
+                "deadlock": (
+                    f"rank {r} waits in {there['call']} with rank {me} (tag {there['tag']}) "
+                    f"at {there['site']}, while this rank waits for rank {r} here: a "
+                    "point-to-point call met a collective"
+                ),
+                "advice": (
+                    "Receive what a rank sends (and wait for an irecv's handle) before the "
+                    "two call a collective together."
+                ),
+            }
         for there in answer.get("in", ()):
             if there["gid"] == facts.gid or me not in there["group"]:
                 continue
