@@ -660,31 +660,52 @@ def test_a_collective_skipped_on_a_subgroup_is_a_deadlock_named_at_once(tmp_path
     assert "timed out" not in err
 
 
-IRECV_NOT_WAITED = """
+IRECV_WAITED_AFTER_A_COLLECTIVE = """
 import torch, distkit.dist as dist
 dist.init_dist(timeout=120)
 if dist.get_rank() == 0:
-    dist.send(torch.ones(1000), 1)  # over a new channel's 4 KiB frame: two messages
+    dist.send(torch.arange(1000.0), 1)  # over a new channel's 4 KiB frame: two messages
+    dist.send({"t": torch.ones(3000)}, 1)  # queued behind it on the receiver
     dist.all_reduce(torch.ones(2))
 else:
-    h = dist.irecv(0)  # posts the frame; its second message waits for this rank's wait
-    dist.all_reduce(torch.ones(2))  # needs rank 0, blocked in its send
-    h.wait()
+    first, second = dist.irecv(0), dist.irecv(0)  # the first frame posted, no more
+    dist.all_reduce(torch.ones(2))  # its check posts the rest: rank 0 sends it now
+    assert torch.equal(first.wait(), torch.arange(1000.0))
+    assert torch.equal(second.wait()["t"], torch.ones(3000))
+print(f"rank {dist.get_rank()} done", flush=True)
+"""
+
+
+def test_an_irecv_waited_for_after_a_collective_with_its_sender_does_not_hang(tmp_path):
+    start = time.monotonic()
+    proc = _launch(tmp_path, IRECV_WAITED_AFTER_A_COLLECTIVE)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout, proc.stdout
+    assert time.monotonic() - start < 60, "waited for the stuck report"
+    assert "has waited" not in proc.stderr, proc.stderr
+
+
+SEND_NOBODY_RECEIVES = """
+import torch, distkit.dist as dist
+dist.init_dist(timeout=120)
+if dist.get_rank() == 0:
+    dist.send(torch.ones(4), 1)  # rank 1 never receives it
+dist.all_reduce(torch.ones(2))
 print("NO ERROR", flush=True)
 """
 
 
 def test_a_send_met_by_a_collective_is_a_deadlock_named_at_once(tmp_path):
     start = time.monotonic()
-    proc = _launch(tmp_path, IRECV_NOT_WAITED)
+    proc = _launch(tmp_path, SEND_NOBODY_RECEIVES)
     assert proc.returncode == 1, proc.stderr
     assert time.monotonic() - start < 60, "waited for the timeout"
     assert "NO ERROR" not in proc.stdout, proc.stdout
     err = proc.stderr
-    assert "CollectiveMismatchError: all_reduce: rank 0 waits in send with rank 1 (tag 0)" in err
     site = f"{tmp_path / 'script.py'}:5 in <module>"
+    assert "CollectiveMismatchError: all_reduce: rank 0 waits in send with rank 1 (tag 0)" in err
     assert f"at {site}, while this rank waits for rank 0 here" in err
-    assert "on rank 1). Receive what a rank sends (and wait for an irecv's handle)" in err
+    assert "on rank 1). Each send needs its receive before the two ranks' next collective" in err
     assert "RankGoneError: send: rank 1 exited (code 1) with CollectiveMismatchError" in err
     assert "timed out" not in err
 

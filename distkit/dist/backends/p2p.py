@@ -52,6 +52,7 @@ from distkit.dist.core import layouts
 from distkit.dist.core.comm import _FACTS, Comm
 from distkit.dist.core.layouts import P2P_FAILED, P2P_HEAD, P2P_OBJECT, P2P_TENSOR
 from distkit.dist.errors import CollectiveTimeoutError
+from distkit.dist.guard import check as _check
 from distkit.dist.guard import debugmode, pairs
 from distkit.dist.guard import record as _record
 from distkit.dist.guard.pairs import Op
@@ -590,6 +591,34 @@ def _drive(rcv: Receive, block: bool, public: str, timeout: Any = None) -> None:
                 return
 
 
+def serve(comm: Comm, kind: str, peer: int, tag: int, number: int) -> str:
+    """What this rank did of message ``number`` on ``tag`` that ``peer`` (a rank of
+    ``comm``'s group) waits for, its side being ``kind``; asked by the default check
+    (:mod:`distkit.dist.guard.check`) while this thread waits in a collective for ``peer``.
+
+    ``"missing"`` when this rank has not posted its side of it: then the peer cannot
+    finish (a deadlock). Else ``"posted"``, once this rank's receives from ``peer`` up
+    to that message posted every message they need: a receive posts its messages after
+    the frame in this rank's next call on the pair, and the sending peer waits for them
+    (an ``irecv`` waited for after a collective with its sender)."""
+    facts = comm._facts
+    assert facts is not None, "a world of one rank has no peer"
+    if kind == "recv":  # the peer receives what this rank sends
+        ch = facts.pairs.get(("send", peer, tag))
+        return "posted" if ch is not None and ch.count >= number else "missing"
+    ch = facts.pairs.get(("recv", peer, tag))
+    if ch is None or ch.count < number:
+        return "missing"
+    if not exact(comm):  # (batched rounds post their messages in their own call)
+        for rcv in list(ch.queue):
+            if rcv.number == number and rcv.stage < PARTS:
+                _drive(rcv, True, rcv.call.fn)  # the peer sends it now: no wait for ever
+    return "posted"
+
+
+_check.serve_p2p = serve
+
+
 def receive(comm: Comm, src: int, tag: int, number: int, call: ObjectCall) -> Receive:
     """Queue a receive of message ``number`` from ``src`` on ``tag``; its frame is posted
     at once when nothing is queued before it on the channel."""
@@ -694,7 +723,7 @@ def _wait_noted(comm: Comm, public: str, op: Op, works: list[Any]) -> None:
     """:func:`_wait`, with the watchdog told that this thread waits for ``op``."""
     table = comm._facts.p2p if comm._facts is not None else {}
     key = next(pairs.tokens)
-    table[key] = (public, (op.peer,), op.tag, get_ident())
+    table[key] = (public, (op.peer,), op.tag, get_ident(), (op,))
     try:
         _wait(comm, public, op, works)
     finally:

@@ -124,8 +124,8 @@ class _GroupFacts:
         # history, message count and receives in order: distkit.dist.backends.p2p) ...
         self.pairs: dict[tuple[str, int, int], Any] = {}
         # ... and the point-to-point calls threads wait in now, for the watchdog (token ->
-        # (public name, peers' group ranks, tag, thread ident))
-        self.p2p: dict[int, tuple[str, tuple[int, ...], int, int]] = {}
+        # (public name, peers' group ranks, tag, thread ident, the ops it waits for))
+        self.p2p: dict[int, tuple[str, tuple[int, ...], int, int, tuple[Any, ...]]] = {}
 
 
 # Keyed by id and holding the group only weakly: distkit never keeps a process group

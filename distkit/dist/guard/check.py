@@ -26,7 +26,10 @@ through ``async_op=True``) takes its part in the check. A mismatch found that wa
 the checking ranks and is printed at once by the others (which raise it if their blocked
 call then fails). Where the answers show a deadlock (this rank waits for rank 1 here,
 rank 1 waits for this rank in a collective of another group, or in a send or recv with
-this rank on this group), the checking rank raises instead of waiting for the timeout.
+this rank on this group whose other end this rank never posted), the checking rank
+raises instead of waiting for the timeout. A peer waiting in a send whose receive this
+rank did post (an ``irecv``: its messages after the frame wait for this rank's next
+call on the pair) is served: the check posts them, and the peer comes.
 
 Not checked: a call that is not in the sample (a call site seen more than
 :data:`VISITS` times), for example a last batch of another length on one rank; and every
@@ -40,7 +43,7 @@ import hashlib
 import json
 import time
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from distkit import _settings
 from distkit._compat import group_timeout
@@ -51,6 +54,12 @@ from distkit.dist.guard import debugmode, diagnose
 if TYPE_CHECKING:
     from distkit.dist.core.comm import Comm, _GroupFacts
     from distkit.dist.guard.board import Board
+
+#: What this rank did of a peer's point-to-point message, asked while this rank waits in
+#: a check for that peer: ``serve_p2p(comm, kind, peer, tag, number)``, where ``kind``
+#: is the peer's side ("send": it sends message ``number`` of ``tag`` to this rank).
+#: Set by the point-to-point backend (:func:`distkit.dist.backends.p2p.serve`).
+serve_p2p: Optional[Callable[..., str]] = None
 
 #: Calls checked at each call site of each group.
 VISITS = 3
@@ -257,7 +266,7 @@ def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, 
     def on_pause(now: float) -> None:
         roll = state["roll"]
         if roll is not None:  # what the ranks answered the last roll call
-            verdict = _blocked(board, roll, others, facts, ranks, me)
+            verdict = _blocked(board, roll, others, comm, facts, ranks, me)
             if verdict is not None:
                 board.post(key + "/stop", verdict)
                 board.publish(key + "/done", _GONE if verdict["gone"] else _SKIP)
@@ -300,7 +309,13 @@ _ORDER = "Every rank must call the collectives of overlapping groups in the same
 
 
 def _blocked(
-    board: Board, roll: int, others: list[int], facts: _GroupFacts, ranks: list[int], me: int
+    board: Board,
+    roll: int,
+    others: list[int],
+    comm: Comm,
+    facts: _GroupFacts,
+    ranks: list[int],
+    me: int,
 ) -> Optional[dict]:
     """From the answers to a roll call: a deadlock (a rank this check waits for waits, in
     a collective of another group or in a point-to-point call of this one, for this
@@ -308,13 +323,22 @@ def _blocked(
 
     A point-to-point call of another group is left alone: another thread of this rank may
     serve it. On this group none can while this thread is in the check (a group serves one
-    thread at a time), so a peer blocked there with this rank waits for ever: a send whose
-    receive never comes, or whose irecv was posted but not waited for (the messages after
-    a frame are posted by the receiving rank's next call on the pair)."""
+    thread at a time). A peer waiting there for a message this rank has not posted its
+    side of (a send nobody receives) waits for ever. One waiting for a message this rank
+    did post is not: a receive's messages after its frame are posted by the receiving
+    rank's next call on the pair (an ``irecv`` waited for after a collective), so this
+    rank posts them here, and the peer comes."""
     answers = board.answers(roll, others, 0.0)
     for r, answer in sorted(answers.items()):
         for there in answer.get("p2p", ()):
-            if there["gid"] != facts.gid or me not in there["peers"]:
+            if there["gid"] != facts.gid or me not in there["peers"] or r not in ranks:
+                continue
+            mine = [(kind, number) for kind, peer, number in there.get("ops", ()) if peer == me]
+            serve = serve_p2p
+            if serve is None or not mine:
+                continue
+            held = [serve(comm, kind, ranks.index(r), there["tag"], n) for kind, n in mine]
+            if "missing" not in held:
                 continue
             return {
                 "gone": False,
@@ -323,10 +347,7 @@ def _blocked(
                     f"at {there['site']}, while this rank waits for rank {r} here: a "
                     "point-to-point call met a collective"
                 ),
-                "advice": (
-                    "Receive what a rank sends (and wait for an irecv's handle) before the "
-                    "two call a collective together."
-                ),
+                "advice": "Each send needs its receive before the two ranks' next collective.",
             }
         for there in answer.get("in", ()):
             if there["gid"] == facts.gid or me not in there["group"]:

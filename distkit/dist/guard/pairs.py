@@ -92,7 +92,7 @@ class waiting:
         self.facts = comm._facts
         self.key = next(tokens)
         peers = tuple({op.peer for op in ops})
-        self.note = (public, peers, ops[0].tag if ops else 0, get_ident())
+        self.note = (public, peers, ops[0].tag if ops else 0, get_ident(), tuple(ops))
 
     def __enter__(self) -> None:
         if self.facts is not None:
@@ -103,7 +103,7 @@ class waiting:
             self.facts.p2p.pop(self.key, None)
 
 
-#: Keys of the notes in ``_GroupFacts.p2p``
+#: Keys of the notes in ``_GroupFacts.p2p``: ``(public, peers, tag, thread, ops)``
 tokens = itertools.count()
 
 

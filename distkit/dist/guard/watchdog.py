@@ -243,7 +243,7 @@ def state(board: _board.Board) -> dict:
         for seq, (pending, handle) in list(facts.pending.items()):
             if handle() is not None:
                 flight.append({"group": ranks, "gid": facts.gid, "seq": seq, "call": pending[0]})
-        for public, peers, tag, ident in list(facts.p2p.values()):
+        for public, peers, tag, ident, ops in list(facts.p2p.values()):
             busy.add(ident)
             pairs.append(
                 {
@@ -253,6 +253,12 @@ def state(board: _board.Board) -> dict:
                     "peers": [ranks[p] for p in peers if 0 <= p < len(ranks)],
                     "tag": tag,
                     "site": debugmode.call_site(frames.get(ident)),
+                    # [kind, peer (global), number] of each message it waits for
+                    "ops": [
+                        [op.kind, ranks[op.peer], op.number]
+                        for op in ops
+                        if 0 <= op.peer < len(ranks)
+                    ],
                 }
             )
     main = threading.main_thread().ident
@@ -302,7 +308,7 @@ def _report(board: _board.Board, facts: Any, call: str, seq: int, waited: float)
 
 def _report_p2p(board: _board.Board, facts: Any, note: tuple, waited: float) -> None:
     """Print where the peers of a point-to-point call this rank is stuck in are."""
-    public, peers, tag, ident = note
+    public, peers, tag, ident, _ = note
     try:
         ranks = _ranks_of(facts)
         me = board.rank
