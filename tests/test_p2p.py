@@ -292,6 +292,22 @@ def test_async_handles_return_what_was_sent_whatever_order_they_are_waited_in():
         assert dist.send("sync", 1, async_op=True).wait() is None
 
 
+@ranks(2, 3)
+def test_waiting_for_a_receive_does_not_wait_for_the_ones_queued_after_it():
+    """The second message comes only once the first is answered: waiting for the first
+    ``irecv`` must not wait for the second's message (it once did, until the timeout)."""
+    rank = dist.get_rank()
+    if rank == 0:
+        first, second = dist.irecv(1), dist.irecv(1)
+        assert torch.equal(first.wait(), torch.full((10,), 1.0))
+        dist.send("answer", 1)
+        assert torch.equal(second.wait(), torch.arange(3000.0))  # over the first's frame
+    elif rank == 1:
+        dist.send(torch.full((10,), 1.0), 0)
+        assert dist.recv(0) == "answer"
+        dist.send(torch.arange(3000.0), 0)
+
+
 @ranks(2, 3, 4)
 def test_each_rank_sends_first_then_receives_with_isend():
     rank, size = world()

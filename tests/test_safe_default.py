@@ -685,6 +685,42 @@ def test_an_irecv_waited_for_after_a_collective_with_its_sender_does_not_hang(tm
     assert "has waited" not in proc.stderr, proc.stderr
 
 
+SERVED_IN_THREE = """
+import time, torch, distkit.dist as dist
+from distkit.utils import get_group
+dist.init_dist(timeout=120)
+r = dist.get_rank()
+pair = get_group([0, 1])
+big = torch.arange(100000.0)
+for group, p2p in ((None, None), (pair, None), (None, pair)):
+    if r == 2:
+        if group is None:
+            dist.all_reduce(torch.ones(2))  # first: its check asks, not rank 0's
+        continue
+    time.sleep(0.3)
+    if r == 1:
+        dist.send(big, 0, group=p2p)
+        dist.all_reduce(torch.ones(2), group=group)
+    else:
+        h = dist.irecv(1, group=p2p)
+        dist.all_reduce(torch.ones(2), group=group)
+        assert torch.equal(h.wait(), big)
+print(f"rank {r} done", flush=True)
+"""
+
+
+def test_an_irecv_is_served_by_a_rank_that_did_not_ask_and_across_groups(tmp_path):
+    """Three ranks: rank 2 reaches the world's check first (its check asks where the
+    others are), and the send and the collective are on the world, on a pair, or the
+    other way round; rank 0, waiting too, serves its irecv every time."""
+    start = time.monotonic()
+    proc = _launch(tmp_path, SERVED_IN_THREE, n=3)
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1, 2):
+        assert f"rank {rank} done" in proc.stdout, proc.stdout
+    assert time.monotonic() - start < 60, "waited for the stuck report"
+
+
 SEND_NOBODY_RECEIVES = """
 import torch, distkit.dist as dist
 dist.init_dist(timeout=120)
@@ -708,6 +744,31 @@ def test_a_send_met_by_a_collective_is_a_deadlock_named_at_once(tmp_path):
     assert "on rank 1). Each send needs its receive before the two ranks' next collective" in err
     assert "RankGoneError: send: rank 1 exited (code 1) with CollectiveMismatchError" in err
     assert "timed out" not in err
+
+
+SEND_WAITED_IN_A_THREAD = """
+import threading, time, torch, distkit.dist as dist
+dist.init_dist(timeout=60)
+if dist.get_rank() == 1:
+    h = dist.isend(torch.arange(10.0), 0)
+    waiter = threading.Thread(target=h.wait)  # waits in the send until rank 0 receives
+    waiter.start()
+    time.sleep(1.5)  # meanwhile rank 0 waits in the check of all_reduce and asks
+    y = dist.all_reduce(torch.ones(2))
+    waiter.join()
+else:
+    y = dist.all_reduce(torch.ones(2))
+    assert torch.equal(dist.recv(1), torch.arange(10.0))
+print(f"rank {dist.get_rank()} done {y.tolist()}", flush=True)
+"""
+
+
+def test_a_send_waited_for_in_another_thread_is_no_deadlock(tmp_path):
+    """The main thread of rank 1 still comes to the collective: not a deadlock."""
+    proc = _launch(tmp_path, SEND_WAITED_IN_A_THREAD)
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} done [2.0, 2.0]" in proc.stdout, proc.stdout
 
 
 ASYMMETRIC = """

@@ -581,7 +581,9 @@ def _drive(rcv: Receive, block: bool, public: str, timeout: Any = None) -> None:
             if first.stage == 0:
                 _advance(first, False, public)
                 continue
-            if first is not rcv and not block:
+            if first is not rcv and (not block or rcv not in ch.queue):
+                # a later receive (``rcv`` has posted all of its messages): posted, never
+                # waited for here, as its message may come only after this one is used
                 if not _advance(first, False, public):
                     return
                 continue
@@ -591,28 +593,33 @@ def _drive(rcv: Receive, block: bool, public: str, timeout: Any = None) -> None:
                 return
 
 
-def serve(comm: Comm, kind: str, peer: int, tag: int, number: int) -> str:
-    """What this rank did of message ``number`` on ``tag`` that ``peer`` (a rank of
-    ``comm``'s group) waits for, its side being ``kind``; asked by the default check
-    (:mod:`distkit.dist.guard.check`) while this thread waits in a collective for ``peer``.
+def serve(gid: str, group: list[int], kind: str, peer: int, tag: int, number: int) -> str:
+    """What this rank did of message ``number`` on ``tag`` that ``peer`` waits for on the
+    group ``gid`` (its members' global ranks ``group``; ``peer`` global too), its side
+    being ``kind``; asked by the default check (:mod:`distkit.dist.guard.check`) while
+    this thread waits in a collective for ``peer``.
 
     ``"missing"`` when this rank has not posted its side of it: then the peer cannot
-    finish (a deadlock). Else ``"posted"``, once this rank's receives from ``peer`` up
-    to that message posted every message they need: a receive posts its messages after
+    finish (a deadlock). ``"served"`` when this rank's receives from ``peer`` up to that
+    message had messages left to post, now posted: a receive posts its messages after
     the frame in this rank's next call on the pair, and the sending peer waits for them
-    (an ``irecv`` waited for after a collective with its sender)."""
-    facts = comm._facts
-    assert facts is not None, "a world of one rank has no peer"
+    (an ``irecv`` waited for after a collective with its sender). Else ``"posted"`` (a
+    group this rank does not know is never called missing)."""
+    facts = next((f for f in list(_FACTS.values()) if f.gid == gid and f.ref() is not None), None)
+    if facts is None or peer not in group:
+        return "posted"
+    p = group.index(peer)
     if kind == "recv":  # the peer receives what this rank sends
-        ch = facts.pairs.get(("send", peer, tag))
+        ch = facts.pairs.get(("send", p, tag))
         return "posted" if ch is not None and ch.count >= number else "missing"
-    ch = facts.pairs.get(("recv", peer, tag))
+    ch = facts.pairs.get(("recv", p, tag))
     if ch is None or ch.count < number:
         return "missing"
-    if not exact(comm):  # (batched rounds post their messages in their own call)
-        for rcv in list(ch.queue):
-            if rcv.number == number and rcv.stage < PARTS:
-                _drive(rcv, True, rcv.call.fn)  # the peer sends it now: no wait for ever
+    for rcv in list(ch.queue):
+        # (batched rounds, on backends of exact sizes, post their messages in their call)
+        if rcv.number == number and rcv.stage < PARTS and not exact(rcv.comm):
+            _drive(rcv, True, rcv.call.fn)  # the peer sends it now: no wait for ever
+            return "served"
     return "posted"
 
 

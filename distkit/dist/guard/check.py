@@ -56,8 +56,9 @@ if TYPE_CHECKING:
     from distkit.dist.guard.board import Board
 
 #: What this rank did of a peer's point-to-point message, asked while this rank waits in
-#: a check for that peer: ``serve_p2p(comm, kind, peer, tag, number)``, where ``kind``
-#: is the peer's side ("send": it sends message ``number`` of ``tag`` to this rank).
+#: a check for that peer: ``serve_p2p(gid, group, kind, peer, tag, number)``, where
+#: ``kind`` is the peer's side ("send": it sends message ``number`` of ``tag`` to this
+#: rank) on the group ``gid`` of global ranks ``group``.
 #: Set by the point-to-point backend (:func:`distkit.dist.backends.p2p.serve`).
 serve_p2p: Optional[Callable[..., str]] = None
 
@@ -233,7 +234,7 @@ def run(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
 
 def _forget(board: Board, key: Optional[str]) -> None:
     if key is not None:
-        for name in (key, key + "/done", key + "/asked"):
+        for name in (key, key + "/done", key + "/asked", key + "/roll"):
             try:
                 board.store.delete_key(name)
             except Exception:  # already gone, or a store without deletion
@@ -266,8 +267,10 @@ def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, 
     def on_pause(now: float) -> None:
         roll = state["roll"]
         if roll is not None:  # what the ranks answered the last roll call
-            verdict = _blocked(board, roll, others, comm, facts, ranks, me)
-            if verdict is not None:
+            verdict = _blocked(board, roll, others, facts, ranks, me)
+            if verdict is not None and verdict.get("served"):
+                state["every"], state["at"] = first, now + first  # the peer's next, soon
+            elif verdict is not None:
                 board.post(key + "/stop", verdict)
                 board.publish(key + "/done", _GONE if verdict["gone"] else _SKIP)
                 return
@@ -282,6 +285,9 @@ def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, 
                 board.publish(key + "/done", _GONE)
                 return
             state["roll"] = board.ask(request)
+            board.post(key + "/roll", state["roll"])  # every waiting rank reads the answers
+        else:
+            state["roll"] = board.read(key + "/roll")
         state["every"] = min(state["every"] * 2, 8.0)
         state["at"] = now + state["every"]
 
@@ -309,37 +315,35 @@ _ORDER = "Every rank must call the collectives of overlapping groups in the same
 
 
 def _blocked(
-    board: Board,
-    roll: int,
-    others: list[int],
-    comm: Comm,
-    facts: _GroupFacts,
-    ranks: list[int],
-    me: int,
+    board: Board, roll: int, others: list[int], facts: _GroupFacts, ranks: list[int], me: int
 ) -> Optional[dict]:
     """From the answers to a roll call: a deadlock (a rank this check waits for waits, in
     a collective of another group or in a point-to-point call of this one, for this
     rank), or ``None``.
 
-    A point-to-point call of another group is left alone: another thread of this rank may
-    serve it. On this group none can while this thread is in the check (a group serves one
-    thread at a time). A peer waiting there for a message this rank has not posted its
-    side of (a send nobody receives) waits for ever. One waiting for a message this rank
-    did post is not: a receive's messages after its frame are posted by the receiving
-    rank's next call on the pair (an ``irecv`` waited for after a collective), so this
-    rank posts them here, and the peer comes."""
+    A peer waiting in a send for a message this rank did post the receive of is served,
+    on any group: a receive's messages after its frame are posted by the receiving rank's
+    next call on the pair (an ``irecv`` waited for after a collective), so this rank
+    posts them here, and the peer comes. A peer whose main thread waits for a message
+    this rank has not posted its side of (a send nobody receives) waits for ever when the
+    call is on this group, which no other thread of this rank can use while this one is
+    in the check; on another group, or in another thread of the peer (whose main thread
+    may still come to this check), it is left to the stuck report."""
     answers = board.answers(roll, others, 0.0)
     for r, answer in sorted(answers.items()):
         for there in answer.get("p2p", ()):
-            if there["gid"] != facts.gid or me not in there["peers"] or r not in ranks:
+            if me not in there["peers"] or r not in there["group"]:
                 continue
             mine = [(kind, number) for kind, peer, number in there.get("ops", ()) if peer == me]
             serve = serve_p2p
             if serve is None or not mine:
                 continue
-            held = [serve(comm, kind, ranks.index(r), there["tag"], n) for kind, n in mine]
-            if "missing" not in held:
-                continue
+            group, tag = there["group"], there["tag"]
+            held = [serve(there["gid"], group, kind, r, tag, n) for kind, n in mine]
+            if "served" in held:
+                return {"served": True}
+            if "missing" not in held or not there.get("main") or there["gid"] != facts.gid:
+                continue  # posted; or another thread of this rank or that one may serve it
             return {
                 "gone": False,
                 "deadlock": (

@@ -253,6 +253,7 @@ def state(board: _board.Board) -> dict:
                     "peers": [ranks[p] for p in peers if 0 <= p < len(ranks)],
                     "tag": tag,
                     "site": debugmode.call_site(frames.get(ident)),
+                    "main": ident == threading.main_thread().ident,
                     # [kind, peer (global), number] of each message it waits for
                     "ops": [
                         [op.kind, ranks[op.peer], op.number]
