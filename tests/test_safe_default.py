@@ -733,7 +733,8 @@ print("NO ERROR", flush=True)
 
 def test_a_send_met_by_a_collective_is_a_deadlock_named_at_once(tmp_path):
     start = time.monotonic()
-    proc = _launch(tmp_path, SEND_NOBODY_RECEIVES)
+    # rank 0's own error comes once rank 1 has gone: give it the time on a loaded machine
+    proc = _launch(tmp_path, SEND_NOBODY_RECEIVES, DISTKIT_STOP_GRACE="30")
     assert proc.returncode == 1, proc.stderr
     assert time.monotonic() - start < 60, "waited for the timeout"
     assert "NO ERROR" not in proc.stdout, proc.stdout
@@ -742,7 +743,11 @@ def test_a_send_met_by_a_collective_is_a_deadlock_named_at_once(tmp_path):
     assert "CollectiveMismatchError: all_reduce: rank 0 waits in send with rank 1 (tag 0)" in err
     assert f"at {site}, while this rank waits for rank 0 here" in err
     assert "on rank 1). Each send needs its receive before the two ranks' next collective" in err
-    assert "RankGoneError: send: rank 1 exited (code 1) with CollectiveMismatchError" in err
+    # rank 0 reads how rank 1 left as far as it got: failed with its error, exited (with
+    # its code, when the launcher's note came first), or, on older torch (seen on 2.4),
+    # killed by signal 6 (it can abort a process that exits with a live gloo thread)
+    gone = r"RankGoneError: send: rank 1 (failed with Collective|exited|was killed by signal 6)"
+    assert re.search(gone, err), err
     assert "timed out" not in err
 
 
