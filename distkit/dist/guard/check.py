@@ -267,7 +267,7 @@ def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, 
     def on_pause(now: float) -> None:
         roll = state["roll"]
         if roll is not None:  # what the ranks answered the last roll call
-            verdict = _blocked(board, roll, others, facts, ranks, me)
+            verdict = _blocked(board, roll, others, facts, me)
             if verdict is not None and verdict.get("served"):
                 state["every"], state["at"] = first, now + first  # the peer's next, soon
             elif verdict is not None:
@@ -315,11 +315,12 @@ _ORDER = "Every rank must call the collectives of overlapping groups in the same
 
 
 def _blocked(
-    board: Board, roll: int, others: list[int], facts: _GroupFacts, ranks: list[int], me: int
+    board: Board, roll: int, others: list[int], facts: _GroupFacts, me: int
 ) -> Optional[dict]:
     """From the answers to a roll call: a deadlock (a rank this check waits for waits, in
     a collective of another group or in a point-to-point call of this one, for this
-    rank), or ``None``.
+    rank), ``{"served": True}`` when this rank posted what a peer's send waited for, or
+    ``None``.
 
     A peer waiting in a send for a message this rank did post the receive of is served,
     on any group: a receive's messages after its frame are posted by the receiving rank's
