@@ -308,6 +308,33 @@ def test_waiting_for_a_receive_does_not_wait_for_the_ones_queued_after_it():
         dist.send(torch.arange(3000.0), 0)
 
 
+@ranks(2, 3, timeout=60)
+def test_an_irecv_lets_its_senders_blocking_send_finish_before_it_is_waited_for():
+    """What follows an ``irecv``'s frame (the rest of a frame over the channel's
+    capacity, a tensor's bytes over 4 MiB, an object's tensors, the next queued
+    ``irecv``'s frame) is posted without this rank's next call: the sender's blocking
+    ``send`` returns while this rank waits in a collective with it, at any call (the
+    default check, which would also post them, is off here)."""
+    _settings.set("check", False)
+    rank, _ = world()
+    small, big = torch.arange(3000.0), torch.arange(1_100_000.0)  # 12 KB; 4.4 MB apart
+    if rank == 0:
+        for data in (small, big, {"t": big, "n": 7}):
+            dist.send(data, 1)
+    elif rank == 1:
+        handles = [dist.irecv(0) for _ in range(3)]
+    dist.all_reduce(torch.ones(1))  # rank 0 comes only once its sends returned
+    if rank == 1:
+        deadline = time.monotonic() + 10
+        while not handles[0].is_completed():  # in one frame and its rest: arrived
+            assert time.monotonic() < deadline, "is_completed() never turned True"
+            time.sleep(0.01)
+        assert torch.equal(handles[0].wait(), small)
+        assert torch.equal(handles[1].wait(), big)
+        got = handles[2].wait()
+        assert got["n"] == 7 and torch.equal(got["t"], big)
+
+
 @ranks(2, 3, 4)
 def test_each_rank_sends_first_then_receives_with_isend():
     rank, size = world()

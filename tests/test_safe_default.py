@@ -685,6 +685,60 @@ def test_an_irecv_waited_for_after_a_collective_with_its_sender_does_not_hang(tm
     assert "has waited" not in proc.stderr, proc.stderr
 
 
+IRECV_AT_EVERY_CALL = """
+import time, torch, distkit.dist as dist
+dist.init_dist(timeout=60)
+r = dist.get_rank()
+# each message larger than the channel's last ones (the rest of its frame follows), the
+# last a tensor past the inline limit (its bytes apart), and an object with a tensor
+for i, n in enumerate([1000, 3000, 9000, 27000, 81000, 243000, 1_500_000]):
+    if r == 0:
+        dist.send(torch.arange(float(n)), 1)  # blocking: done once rank 1 posted it all
+        dist.send({"i": i, "t": torch.full((n,), i)}, 1)
+        dist.all_reduce(torch.ones(2))  # one call site: checked 3 times, then not
+    else:
+        a, b = dist.irecv(0), dist.irecv(0)
+        dist.all_reduce(torch.ones(2))
+        assert torch.equal(a.wait(), torch.arange(float(n)))
+        got = b.wait()
+        assert got["i"] == i and torch.equal(got["t"], torch.full((n,), i))
+print(f"rank {r} done", flush=True)
+"""
+
+
+def test_irecvs_waited_for_after_a_collective_with_their_sender_pass_at_every_call(tmp_path):
+    # past the default check's first calls at the site, and with messages each larger
+    # than the last: torch's irecv runs this; distkit's once hung at the fourth call
+    start = time.monotonic()
+    proc = _launch(tmp_path, IRECV_AT_EVERY_CALL)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout, proc.stdout
+    assert time.monotonic() - start < 45, "waited for the stuck report or a timeout"
+    assert "has waited" not in proc.stderr, proc.stderr
+
+
+IRECV_NEVER_RECEIVED = """
+import torch, torch.distributed as td, distkit.dist as dist
+td.init_process_group("gloo")  # torch's own: nothing of distkit's runs at the exit
+if dist.get_rank() == 1:
+    handle = dist.irecv(0)  # rank 0 never sends; nobody waits for it
+print(f"rank {dist.get_rank()} done", flush=True)
+"""
+
+
+def test_an_exit_with_an_irecv_never_received_names_it_and_exits_cleanly(tmp_path):
+    # its helper thread waits inside gloo: woken by rank 0's exit while the interpreter
+    # finalizes, it would abort the process ("terminate called without an active
+    # exception": 4 runs of 4 under torchrun); the exit waits for it while Python is whole
+    proc = torchrun(2, _script(tmp_path, IRECV_NEVER_RECEIVED), timeout=90)
+    assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout, proc.stdout
+    assert "terminate called" not in proc.stderr, proc.stderr
+    assert (
+        "distkit: rank 1 exits while its irecv of message #1 from rank 0 (tag 0) has not "
+        "received it; waiting up to 2 s for rank 0 to send it or exit"
+    ) in proc.stderr, proc.stderr
+
+
 SERVED_IN_THREE = """
 import time, torch, distkit.dist as dist
 from distkit.utils import get_group

@@ -30,10 +30,12 @@ apart from the tags distkit's collectives use for their own point-to-point messa
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import struct
 import sys
 import threading
+import time
 from collections import deque
 from datetime import timedelta
 from threading import get_ident
@@ -43,7 +45,12 @@ import torch
 import torch.distributed as td
 from torch import Tensor
 
-from distkit._compat import has_torch_function_unary, is_compiling, storage_use_count
+from distkit._compat import (
+    group_timeout,
+    has_torch_function_unary,
+    is_compiling,
+    storage_use_count,
+)
 from distkit.dist.backends.base import ObjectCall
 from distkit.dist.codec import policy
 from distkit.dist.codec import wire as _wire
@@ -157,13 +164,30 @@ def _unused(ch: Channel, cap: int) -> Optional[Tensor]:
 class Channel:
     """One direction of one pair on one tag, at this end."""
 
-    __slots__ = ("count", "guess", "history", "lock", "queue", "spare", "stage")
+    __slots__ = (
+        "count",
+        "guess",
+        "helper",
+        "history",
+        "lock",
+        "moved",
+        "queue",
+        "spare",
+        "stage",
+        "todo",
+    )
 
     def __init__(self) -> None:
         self.count = 0  # messages made on it (the next one's number is count + 1)
         self.history: deque[int] = deque(maxlen=HISTORY)  # bytes of its last frames
         self.queue: deque[Receive] = deque()  # receives whose messages are not all posted
         self.lock = threading.RLock()  # one thread drives its receives at a time
+        # told when the thread that drives them lets go of the lock or posted a receive's
+        # last messages (see _locked)
+        self.moved = threading.Condition(threading.Lock())
+        # irecvs handed to its helper thread, and whether it has one (see progress)
+        self.todo: deque[Receive] = deque()
+        self.helper = False
         self.stage: Optional[_Stage] = None  # a sender's frame buffer, reused
         # a receiver's last frame buffer on the fast path, received into again once its
         # result is dropped (see _unused): no page faults and warm caches, as torch's recv
@@ -363,9 +387,11 @@ class Receive:
         "cap",
         "ch",
         "comm",
+        "error",
         "head",
         "number",
         "parts",
+        "raw",
         "result",
         "src",
         "stage",
@@ -395,6 +421,10 @@ class Receive:
         self.head: tuple = ()
         self.parts: list[Tensor] = []
         self.result: Any = None
+        #: what ended a wait for its messages (in whichever thread): raised again by the
+        #: next one, which must not wait for those works a second time
+        self.error: Optional[BaseException] = None
+        self.raw = False  # error is a helper thread's, not yet told as the caller's
 
     @property
     def op(self) -> Op:
@@ -555,15 +585,31 @@ def _wait(comm: Comm, public: str, op: Op, works: list[Any], timeout: Any = None
 def _advance(rcv: Receive, block: bool, public: str, timeout: Any = None) -> bool:
     """Post ``rcv``'s next stage once its current one arrived (waiting for it if
     ``block``); whether it moved."""
-    if rcv.works:
-        if block:
-            _wait(rcv.comm, public, rcv.op, rcv.works, timeout)
-        elif not all(w.is_completed() for w in rcv.works):
-            return False
-        rcv.works = []
-    bufs = rcv.next_buffers()
-    if bufs:
-        rcv.works = _post(rcv.comm, [], [(b, rcv.src) for b in bufs], rcv.tag)
+    helper = getattr(_helper, "on", False)
+    if rcv.error is not None:
+        if rcv.raw and not helper:  # a helper's wait failed: said here, for the caller
+            rcv.raw = False
+            try:
+                _wait(rcv.comm, public, rcv.op, [_Failed(rcv.error)])
+            except BaseException as exc:
+                rcv.error = exc
+        raise rcv.error
+    try:
+        if rcv.works:
+            if block and helper:  # no timeout of its own: the caller's wait has it
+                for w in rcv.works:  # (see _locked)
+                    w.wait(_FOREVER)
+            elif block:
+                _wait(rcv.comm, public, rcv.op, rcv.works, timeout)
+            elif not all(w.is_completed() for w in rcv.works):
+                return False
+            rcv.works = []
+        bufs = rcv.next_buffers()
+        if bufs:
+            rcv.works = _post(rcv.comm, [], [(b, rcv.src) for b in bufs], rcv.tag)
+    except BaseException as exc:
+        rcv.error, rcv.raw = exc, helper
+        raise
     return True
 
 
@@ -572,11 +618,15 @@ def _drive(rcv: Receive, block: bool, public: str, timeout: Any = None) -> None:
     of ``rcv``'s (the frame of a receive goes only once the one before it has posted
     every message: its capacity comes from that one's frame)."""
     ch = rcv.ch
-    with ch.lock:
+    if not _locked(rcv, block, public, timeout):
+        return  # another thread drives the channel now (see progress)
+    try:
         while ch.queue:
             first = ch.queue[0]
             if first.stage >= PARTS:
                 ch.queue.popleft()
+                with ch.moved:
+                    ch.moved.notify_all()
                 continue
             if first.stage == 0:
                 _advance(first, False, public)
@@ -591,6 +641,52 @@ def _drive(rcv: Receive, block: bool, public: str, timeout: Any = None) -> None:
                 return
             if rcv not in ch.queue:
                 return
+    finally:
+        ch.lock.release()
+        with ch.moved:
+            ch.moved.notify_all()
+
+
+def _locked(rcv: Receive, block: bool, public: str, timeout: Any) -> bool:
+    """Take ``rcv``'s channel for this thread, at once or (``block``) once the thread
+    driving it lets go; ``False`` when it is taken (not ``block``), or when that thread
+    posted every message of ``rcv`` meanwhile (then there is nothing to drive: a helper
+    thread (see :func:`progress`) may hold the lock while it waits for a later receive's
+    frame, which may come only once ``rcv`` is used). A ``timeout`` that passes first
+    fails as a wait for the message would
+    (:class:`~distkit.dist.errors.CollectiveTimeoutError`)."""
+    ch = rcv.ch
+    if ch.lock.acquire(blocking=False):
+        return True
+    if not block:
+        return False
+    if timeout is None:  # the group's, as the backend's own wait would take
+        timeout = group_timeout(rcv.comm.pg) or _DEFAULT_TIMEOUT
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    deadline = time.monotonic() + seconds
+    with ch.moved:
+        while True:
+            if rcv.stage >= PARTS and rcv not in ch.queue:
+                return False
+            if ch.lock.acquire(blocking=False):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ch.moved.wait(left)
+    late = RuntimeError(f"Timed out waiting {int(seconds * 1000)}ms for recv operation to complete")
+    _wait(rcv.comm, public, rcv.op, [_Failed(late)])
+    raise late  # (_wait raised already)
+
+
+class _Failed:
+    """A work that failed with ``error`` (for :func:`_wait` to report it as its own)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def wait(self, timeout: Any = None) -> bool:
+        raise self.error
 
 
 def serve(gid: str, group: list[int], kind: str, peer: int, tag: int, number: int) -> str:
@@ -653,6 +749,122 @@ def done(rcv: Receive, public: str) -> bool:
         if rcv.stage < PARTS:
             return False
     return rcv.stage == DONE or all(w.is_completed() for w in rcv.works)
+
+
+# -- progress ----------------------------------------------------------------------------
+#
+# A receive posts its frame at once; the rest of a large frame, the parts sent apart and
+# the next queued receive's frame can only be posted once that frame arrived, and the
+# sender's blocking ``send`` waits for them. Left to this rank's next call on the pair, an
+# ``irecv`` waited for after a collective with its sender would hang (the sender in
+# ``send``, this rank in the collective), where torch's own ``irecv`` (one message into a
+# buffer of known size) completes. So each ``irecv`` of a CPU group of gloo is handed to
+# a helper thread of its channel, which waits for its frame and posts what follows, as a
+# blocking ``wait`` would; the caller's ``wait`` then finds it posted (or waits until the
+# helper posted it) and waits for the last messages and decodes the result itself. gloo
+# offers no other way to learn that a message arrived: a receive's ``is_completed()`` stays
+# False until something waits for it, and a work is never waited for twice.
+#
+# At exit, a thread left inside gloo's wait (an irecv whose message never came) would be
+# stopped mid-wait once the interpreter finalizes if the peer's exit woke it then, and the
+# process would abort ("terminate called without an active exception"). So the exit says
+# which receive is unfinished and waits up to EXIT_WAIT seconds for the peer to send it or
+# to exit (the usual case: both ranks end together, and the wait ends while Python is
+# whole).
+
+#: Marks a helper thread (``_helper.on``): its waits take no timeout of their own, and
+#: their errors are told by the caller's wait, as the caller's (its call site, its peer)
+_helper = threading.local()
+#: A wait that does not end before its message or its peer's end ("wait(timeout)" that
+#: times out leaves a gloo work failed: the helper never lets one time out)
+_FOREVER = timedelta(days=30)
+#: The backend's timeout when a group does not say its own (torch's default)
+_DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+#: Seconds an exit waits for the peer of an unfinished ``irecv`` (see above).
+EXIT_WAIT = 2.0
+#: Seconds a channel's helper thread waits for its next ``irecv`` before it ends.
+LINGER = 1.0
+_helping = threading.Condition(threading.Lock())
+_unposted = 0  # receives handed to helpers whose messages they have not posted yet
+_at_exit_set: list[bool] = []
+
+
+def progress(rcv: Receive) -> None:
+    """Have a helper thread of ``rcv``'s channel post its messages once they are known.
+
+    One thread per channel, while it has ``irecv``s: a receive that never comes (its
+    sender gone, or never sending) then holds up its own channel only."""
+    global _unposted
+    ch = rcv.ch
+    with _helping:
+        ch.todo.append(rcv)
+        _unposted += 1
+        if ch.helper:
+            _helping.notify_all()
+            return
+        ch.helper = True
+        if not _at_exit_set:
+            _at_exit_set.append(True)
+            atexit.register(_at_exit)
+    name = f"distkit-irecv-{rcv.src}-tag{rcv.tag}"
+    threading.Thread(target=_help, args=(ch,), name=name, daemon=True).start()
+
+
+def _help(ch: Channel) -> None:
+    """A channel's helper: drive each ``irecv`` handed to it, in order."""
+    global _unposted
+    _helper.on = True
+    while True:
+        with _helping:
+            until = time.monotonic() + LINGER
+            while not ch.todo:
+                left = until - time.monotonic()
+                if left <= 0:
+                    ch.helper = False
+                    return
+                _helping.wait(left)
+            rcv = ch.todo.popleft()
+        try:
+            if rcv.stage < PARTS and rcv.error is None:
+                _drive(rcv, True, rcv.call.fn)
+        except BaseException:  # kept on the receive (Receive.error): its wait raises it
+            pass
+        finally:
+            with _helping:
+                _unposted -= 1
+                _helping.notify_all()
+
+
+def _unfinished() -> Optional[Receive]:
+    """A receive whose messages a helper has not posted yet, if any."""
+    for facts in list(_FACTS.values()):
+        for ch in list(facts.pairs.values()):
+            for rcv in list(ch.queue):
+                if rcv.stage < PARTS and rcv.error is None:
+                    return rcv
+    return None
+
+
+def _at_exit() -> None:
+    with _helping:
+        if not _unposted:
+            return
+    rcv = _unfinished()
+    if rcv is not None:
+        me = rcv.comm.global_rank(rcv.comm.rank)
+        peer = rcv.comm.global_rank(rcv.src)
+        print(
+            f"distkit: rank {me} exits while its {rcv.call.fn} of message #{rcv.number} from "
+            f"rank {peer} (tag {rcv.tag}) has not received it; waiting up to {EXIT_WAIT:g} s "
+            f"for rank {peer} to send it or exit. Wait for every irecv before exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+    until = time.monotonic() + EXIT_WAIT
+    with _helping:
+        while _unposted and time.monotonic() < until:
+            _helping.wait(until - time.monotonic())
 
 
 # -- the fast path -----------------------------------------------------------------------
@@ -1103,7 +1315,10 @@ def start(
         for src in recv_from:
             fast = _quick_recv(comm, src, tag, call) if quick else None
             number = _tentative(comm, "recv", src, tag)
-            waiter.received[src] = fast or receive(comm, src, tag, number, call)
+            rcv = fast or receive(comm, src, tag, number, call)
+            waiter.received[src] = rcv
+            if not block and isinstance(rcv, Receive) and comm.cpu_home:
+                progress(rcv)  # its messages after the frame, posted without this thread
     else:  # NCCL: each round batched, on every rank alike (see the module docstring)
         rounds: dict[int, Receive] = {}
         for src in recv_from:
