@@ -786,7 +786,7 @@ EXIT_WAIT = 2.0
 #: Seconds a channel's helper thread waits for its next ``irecv`` before it ends.
 LINGER = 1.0
 _helping = threading.Condition(threading.Lock())
-_unposted = 0  # receives handed to helpers whose messages they have not posted yet
+_unposted: list[Receive] = []  # handed to helpers, their messages not all posted yet
 _at_exit_set: list[bool] = []
 
 
@@ -795,11 +795,10 @@ def progress(rcv: Receive) -> None:
 
     One thread per channel, while it has ``irecv``s: a receive that never comes (its
     sender gone, or never sending) then holds up its own channel only."""
-    global _unposted
     ch = rcv.ch
     with _helping:
         ch.todo.append(rcv)
-        _unposted += 1
+        _unposted.append(rcv)
         if ch.helper:
             _helping.notify_all()
             return
@@ -813,7 +812,6 @@ def progress(rcv: Receive) -> None:
 
 def _help(ch: Channel) -> None:
     """A channel's helper: drive each ``irecv`` handed to it, in order."""
-    global _unposted
     _helper.on = True
     while True:
         with _helping:
@@ -832,35 +830,26 @@ def _help(ch: Channel) -> None:
             pass
         finally:
             with _helping:
-                _unposted -= 1
+                _unposted.remove(rcv)
                 _helping.notify_all()
-
-
-def _unfinished() -> Optional[Receive]:
-    """A receive whose messages a helper has not posted yet, if any."""
-    for facts in list(_FACTS.values()):
-        for ch in list(facts.pairs.values()):
-            for rcv in list(ch.queue):
-                if rcv.stage < PARTS and rcv.error is None:
-                    return rcv
-    return None
 
 
 def _at_exit() -> None:
     with _helping:
         if not _unposted:
             return
-    rcv = _unfinished()
-    if rcv is not None:
-        me = rcv.comm.global_rank(rcv.comm.rank)
-        peer = rcv.comm.global_rank(rcv.src)
-        print(
-            f"distkit: rank {me} exits while its {rcv.call.fn} of message #{rcv.number} from "
-            f"rank {peer} (tag {rcv.tag}) has not received it; waiting up to {EXIT_WAIT:g} s "
-            f"for rank {peer} to send it or exit. Wait for every irecv before exiting",
-            file=sys.stderr,
-            flush=True,
-        )
+        rcv = _unposted[0]
+    try:
+        me, peer = rcv.comm.global_rank(rcv.comm.rank), rcv.comm.global_rank(rcv.src)
+    except Exception:  # its group was destroyed: its own ranks, then
+        me, peer = rcv.comm.rank, rcv.src
+    print(
+        f"distkit: rank {me} exits while its {rcv.call.fn} of message #{rcv.number} from "
+        f"rank {peer} (tag {rcv.tag}) has not received it; waiting up to {EXIT_WAIT:g} s "
+        f"for rank {peer} to send it or exit. Wait for every irecv before exiting",
+        file=sys.stderr,
+        flush=True,
+    )
     until = time.monotonic() + EXIT_WAIT
     with _helping:
         while _unposted and time.monotonic() < until:
