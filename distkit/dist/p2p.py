@@ -264,6 +264,12 @@ def irecv(src: int, group: GroupLike = None, tag: int = 0) -> Handle[Any]:
     Point to point: ``src`` must send to this rank (see :func:`recv`).
     Single process: there is no other rank: ``ValueError``, as with any ``src``.
 
+    On a CPU (gloo) group, a helper thread of the channel posts the receives of what
+    follows the message's first part once it arrived (a large tensor, an object's
+    tensors), so the sender's blocking ``send`` finishes while this rank works or waits
+    in a collective with it, as with torch's ``irecv``; the result is built and decoded
+    in the thread that calls ``wait()``.
+
     Args:
         src: The sending rank, within ``group``; not this rank.
         group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
