@@ -335,6 +335,30 @@ def test_an_irecv_lets_its_senders_blocking_send_finish_before_it_is_waited_for(
         assert got["n"] == 7 and torch.equal(got["t"], big)
 
 
+@ranks(2, timeout=60)
+def test_an_irecv_polled_while_its_helper_posts_the_parts_apart_waits_for_them():
+    """A tensor over 4 MiB, or an object's large tensors, follow the frame in messages of
+    their own, which the channel's helper thread posts: ``is_completed()`` and ``wait()``
+    called meanwhile must not take the receive as posted before those exist (they once
+    did: ``wait()`` returned a tensor still being written, or raised ``IndexError``)."""
+    rank, _ = world()
+    n = (6 << 20) // 4
+    for i in range(10):
+        sent = torch.arange(i, i + n, dtype=torch.float32) if i % 2 else {"t": torch.full((n,), i)}
+        if rank == 0:
+            dist.send(sent, 1)
+            continue
+        handle = dist.irecv(0)
+        until = time.monotonic() + 0.05
+        while time.monotonic() < until:  # polled while the frame comes and parts are posted
+            assert not handle.is_completed(), "its parts apart were never waited for"
+        got = handle.wait()
+        if i % 2:
+            assert torch.equal(got, sent), i
+        else:
+            assert torch.equal(got["t"], sent["t"]), i
+
+
 @ranks(2, 3, 4)
 def test_each_rank_sends_first_then_receives_with_isend():
     rank, size = world()

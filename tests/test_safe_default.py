@@ -720,23 +720,27 @@ def test_irecvs_waited_for_after_a_collective_with_their_sender_pass_at_every_ca
 IRECV_NEVER_RECEIVED = """
 import torch, torch.distributed as td, distkit.dist as dist
 td.init_process_group("gloo")  # torch's own: nothing of distkit's runs at the exit
-if dist.get_rank() == 1:
-    handle = dist.irecv(0)  # rank 0 never sends; nobody waits for it
-print(f"rank {dist.get_rank()} done", flush=True)
+r = dist.get_rank()
+handle = dist.irecv(1 - r, tag=r)  # never sent (rank 0's too), never waited for
+print(f"rank {r} done", flush=True)
 """
 
 
 def test_an_exit_with_an_irecv_never_received_names_it_and_exits_cleanly(tmp_path):
-    # its helper thread waits inside gloo: woken by rank 0's exit while the interpreter
-    # finalizes, it would abort the process ("terminate called without an active
-    # exception": 4 runs of 4 under torchrun); the exit waits for it while Python is whole
+    # each rank's helper thread waits inside gloo: woken by the other's exit while the
+    # interpreter finalizes, it would abort the process ("terminate called without an
+    # active exception": 4 runs of 4 under torchrun with rank 1's alone; every run with
+    # both when both waited 2 s); the exit waits while Python is whole, the higher rank
+    # longer (see distkit.dist.backends.p2p)
     proc = torchrun(2, _script(tmp_path, IRECV_NEVER_RECEIVED), timeout=90)
     assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout, proc.stdout
     assert "terminate called" not in proc.stderr, proc.stderr
-    assert (
-        "distkit: rank 1 exits while its irecv of message #1 from rank 0 (tag 0) has not "
-        "received it; waiting up to 2 s for rank 0 to send it or exit"
-    ) in proc.stderr, proc.stderr
+    for me, peer in ((0, 1), (1, 0)):  # each waits for the other: rank 0 leaves first
+        assert (
+            f"distkit: rank {me} exits while its irecv of message #1 from rank {peer} "
+            f"(tag {me}) has not received it; waiting up to {2 + 2 * me} s for rank {peer} "
+            "to send it or exit"
+        ) in proc.stderr, proc.stderr
 
 
 SERVED_IN_THREE = """

@@ -666,7 +666,7 @@ def _locked(rcv: Receive, block: bool, public: str, timeout: Any) -> bool:
     deadline = time.monotonic() + seconds
     with ch.moved:
         while True:
-            if rcv.stage >= PARTS and rcv not in ch.queue:
+            if _posted(rcv):
                 return False
             if ch.lock.acquire(blocking=False):
                 return True
@@ -732,10 +732,18 @@ def receive(comm: Comm, src: int, tag: int, number: int, call: ObjectCall) -> Re
     return rcv
 
 
+def _posted(rcv: Receive) -> bool:
+    """Whether every message of ``rcv`` is posted and it left its channel's queue: from
+    then on only the thread that waits for it touches it. (Its stage alone does not say
+    so: a helper thread moves it to ``PARTS`` before the parts' buffers and receives
+    exist, and takes it off the queue only once they do.)"""
+    return rcv.stage >= PARTS and rcv not in rcv.ch.queue
+
+
 def finish(rcv: Receive, public: str, timeout: Any = None) -> Any:
     """Wait for every message of ``rcv`` and return what was sent."""
     while rcv.stage < DONE:
-        if rcv.stage < PARTS:
+        if not _posted(rcv):
             _drive(rcv, True, public, timeout)
         else:
             _advance(rcv, True, public, timeout)
@@ -744,9 +752,9 @@ def finish(rcv: Receive, public: str, timeout: Any = None) -> Any:
 
 def done(rcv: Receive, public: str) -> bool:
     """Whether ``rcv`` can finish without waiting (posting what it can meanwhile)."""
-    if rcv.stage < PARTS:
+    if not _posted(rcv):
         _drive(rcv, False, public)
-        if rcv.stage < PARTS:
+        if not _posted(rcv):
             return False
     return rcv.stage == DONE or all(w.is_completed() for w in rcv.works)
 
@@ -770,7 +778,9 @@ def done(rcv: Receive, public: str) -> bool:
 # process would abort ("terminate called without an active exception"). So the exit says
 # which receive is unfinished and waits up to EXIT_WAIT seconds for the peer to send it or
 # to exit (the usual case: both ranks end together, and the wait ends while Python is
-# whole).
+# whole), twice that for a peer of a lower rank: of two ranks that each wait for the
+# other (or a ring of them), the lower one leaves first, its exit wakes the other's
+# helper while that one still waits, and the other leaves only once the first is gone.
 
 #: Marks a helper thread (``_helper.on``): its waits take no timeout of their own, and
 #: their errors are told by the caller's wait, as the caller's (its call site, its peer)
@@ -838,19 +848,26 @@ def _at_exit() -> None:
     with _helping:
         if not _unposted:
             return
-        rcv = _unposted[0]
-    try:
-        me, peer = rcv.comm.global_rank(rcv.comm.rank), rcv.comm.global_rank(rcv.src)
-    except Exception:  # its group was destroyed: its own ranks, then
-        me, peer = rcv.comm.rank, rcv.src
+        waiting = list(_unposted)
+    ranks = []
+    for rcv in waiting:
+        try:
+            ranks.append((rcv.comm.global_rank(rcv.comm.rank), rcv.comm.global_rank(rcv.src)))
+        except Exception:  # its group was destroyed: its own ranks, then
+            ranks.append((rcv.comm.rank, rcv.src))
+    # of two ranks that each wait for the other, the lower one leaves first and the other
+    # is still waiting (Python whole) when that exit wakes its helper
+    me, peer = ranks[0]
+    seconds = EXIT_WAIT * (2 if any(p < m for m, p in ranks) else 1)
+    rcv = waiting[0]
     print(
         f"distkit: rank {me} exits while its {rcv.call.fn} of message #{rcv.number} from "
-        f"rank {peer} (tag {rcv.tag}) has not received it; waiting up to {EXIT_WAIT:g} s "
+        f"rank {peer} (tag {rcv.tag}) has not received it; waiting up to {seconds:g} s "
         f"for rank {peer} to send it or exit. Wait for every irecv before exiting",
         file=sys.stderr,
         flush=True,
     )
-    until = time.monotonic() + EXIT_WAIT
+    until = time.monotonic() + seconds
     with _helping:
         while _unposted and time.monotonic() < until:
             _helping.wait(until - time.monotonic())
