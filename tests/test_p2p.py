@@ -258,6 +258,90 @@ def test_every_pairing_of_send_and_receive_paths_agrees_on_the_wire():
         h.wait()
 
 
+def _runs() -> list:
+    """Messages in runs of one dtype and shape (the third of a run on goes bare: its bytes
+    alone), broken by every message that must not be taken for one more of the run: an
+    object and a sender's failure (frames shorter than the run's tensors), the same bytes
+    in another shape or dtype, a smaller and a larger tensor, an empty one, a 0-d one; and
+    a run of tensors sent apart. ``(message, whether it goes bare)``."""
+    a = torch.arange(256 * 256, dtype=torch.float32).view(256, 256)
+    b = torch.arange(512 * 128).to(torch.bfloat16).view(512, 128)
+    big = torch.arange(1_200_000, dtype=torch.float32)  # past the frame: sent apart
+    breaks = [
+        {"k": "an object", "t": torch.ones(3)},
+        a.flatten(),
+        a.to(torch.int32),
+        torch.ones(1000),
+        torch.ones(300, 300),
+        "unpicklable",
+        torch.empty(0, 256),
+        torch.tensor(2.5),
+        b,  # another dtype, half the bytes
+    ]
+    # first, small ones: the channel's capacity and last tensors are theirs, whatever the
+    # tests before this one in the same world sent
+    out: list = [(torch.ones(3) + k, False) for k in range(4)]
+    for k, brk in enumerate(breaks):
+        t = a + k
+        out += [(t, False), (t * 2, False), (t * 3, True), (t * 4, True), (brk, False)]
+    b2 = torch.arange(512 * 256).to(torch.bfloat16).view(512, 256)  # a's bytes
+    out += [(b2 + k, k >= 2) for k in range(4)]
+    out += [(big + k, k >= 2) for k in range(4)] + [(torch.ones(5), False), (a, False)]
+    return out
+
+
+@ranks(2)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_runs_of_one_shape_go_bare_on_every_path_and_nothing_else_is_taken_for_one(seed):
+    """A tensor that follows two of its dtype and shape travels as its bytes alone; the
+    receiver knows it by the mark behind them. Whatever path each end takes (send, isend,
+    exchange; recv, irecv, exchange), every message arrives whole and as what it was, and
+    the bare ones are the receiver's buffer itself (no head in front of them)."""
+    import random
+
+    rank = dist.get_rank()
+    rng = random.Random(seed)
+    messages = _runs()
+    plan = [(rng.randrange(3), rng.randrange(3)) for _ in messages]
+    pending = []
+    for k, ((want, bare), (how_send, how_recv)) in enumerate(zip(messages, plan)):
+        failing = isinstance(want, str)
+        if rank == 0:
+            data = {"unpicklable": threading.Lock()} if failing else want
+            if failing:
+                with pytest.raises(TypeError, match="cannot be pickled"):
+                    dist.send(data, 1)
+            elif how_send == 0:
+                dist.send(data, 1)
+            elif how_send == 1:
+                pending.append(dist.isend(data, 1))
+            else:
+                dist.exchange({1: data}, [])
+            continue
+        if failing:
+            with pytest.raises(TypeError, match="rank 0 could not send its object"):
+                dist.recv(0)
+            continue
+        if how_recv == 0:
+            got = dist.recv(0)
+        elif how_recv == 1:
+            got = dist.irecv(0).wait()
+        else:
+            got = dist.exchange({}, [0])[0]
+        if isinstance(want, dict):
+            assert got["k"] == want["k"] and torch.equal(got["t"], want["t"]), k
+            continue
+        same(got, want, f"message {k}")
+        if want.numel() * want.element_size() <= _p2p.TENSOR_INLINE:
+            # a bare message is received at the start of its buffer, the mark behind it;
+            # a framed one behind its head
+            at_start = got.storage_offset() == 0
+            room = got.untyped_storage().nbytes() - got.nbytes
+            assert (at_start and room >= _p2p.MARK) == bare, (k, at_start, room)
+    for h in pending:
+        h.wait()
+
+
 @ranks(2, 3, 4)
 def test_messages_arrive_in_order_and_tags_are_streams_of_their_own():
     rank = dist.get_rank()
@@ -506,9 +590,10 @@ def test_a_receive_buffer_is_reused_only_once_nothing_holds_its_memory():
     rank = dist.get_rank()
     keepers = _keepers()
     n = 64 * 1024  # 256 KiB: past the sizes that are copied out of their buffer
+    tag = 11  # a channel of its own, whatever the tests before it in this world sent
     if rank == 0:
         for k in range(4 + 3 * len(keepers) + 2):
-            dist.send(torch.full((4, n // 4), float(k)), 1)
+            dist.send(torch.full((4, n // 4), float(k)), 1, tag=tag)
         return
     # dropped results: the next message lands in the same buffer (the very tensor the
     # channel keeps, followed by a weak reference, which holds nothing)
@@ -516,34 +601,34 @@ def test_a_receive_buffer_is_reused_only_once_nothing_holds_its_memory():
 
     from distkit.dist._route import resolve
 
-    spare = _p2p.channel(resolve(None, "recv"), "recv", 0, 0).spare
+    spare = _p2p.channel(resolve(None, "recv"), "recv", 0, tag).spare
     for _ in range(2):  # the first, larger than the channel's capacity yet, comes in two
-        dist.recv(0)
+        dist.recv(0, tag=tag)
     kept = weakref.ref(spare.buf)
-    ptrs = [dist.recv(0).data_ptr() for _ in range(2)]
+    ptrs = [dist.recv(0, tag=tag).data_ptr() for _ in range(2)]
     if torch._C.__dict__.get("_storage_Use_Count") is not None:  # torch can count
         assert spare.buf is kept() and ptrs[0] == ptrs[1], ptrs
     k = 4
     for name, keep in keepers.items():
-        got = dist.recv(0)
+        got = dist.recv(0, tag=tag)
         kept = keep(got)
         capsule = name == "a dlpack capsule"  # read once only: at the end
         expected = got.flatten().tolist() if capsule else _read(kept)
         del got
         for _ in range(2):  # two more messages: neither may land in the kept memory
             k += 1
-            assert dist.recv(0).flatten()[0].item() == k
+            assert dist.recv(0, tag=tag).flatten()[0].item() == k
         assert _read(kept) == expected, name
         # what is kept shows the message (its storage and base: behind the frame's head)
         assert expected.count(float(k - 2)) >= n - (n // 4 if "view" in name else 0), name
         k += 1
     # moved to shared memory (as a torch.multiprocessing queue does when it is put in one):
     # another process may map it, and no count in this one sees that
-    got = dist.recv(0)
+    got = dist.recv(0, tag=tag)
     got.share_memory_()
     shared = got.data_ptr()
     del got
-    assert dist.recv(0).data_ptr() != shared
+    assert dist.recv(0, tag=tag).data_ptr() != shared
 
 
 # -- rings and pairings ------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Point-to-point messages of any shape: frames at predicted sizes, received in order.
 
-torch's ``recv`` needs a buffer of exactly the sender's shape and dtype. Here every send
+torch's ``recv`` needs a buffer of exactly the sender's shape and dtype. Here a send
 starts with a *frame* (:data:`~distkit.dist.core.layouts.P2P_HEAD`): the head says what
 follows (a tensor's dtype and shape, an encoded object, or the sender's failure), and a
 tensor of at most :data:`TENSOR_INLINE` bytes rides in the frame itself, so the usual
@@ -13,7 +13,10 @@ frame, and on backends that need exact sizes (NCCL) it is used only where recent
 were steady, with the frame padded to it. Then come the messages of exact size whose
 sizes the frame told: a larger tensor's bytes, received straight into the new tensor, and
 an object's large tensors (each into memory of its own: see
-:mod:`distkit.dist.codec.wire`) and device part.
+:mod:`distkit.dist.codec.wire`) and device part. On gloo, a tensor that follows two of
+its dtype and shape goes *bare*, with no frame at all: its bytes alone, straight from and
+into the tensors, known at the receiver by a mark it wrote behind them (see
+:meth:`Channel.note`).
 
 A *channel* is one direction of one pair on one tag. Its messages are numbered from 1 at
 both ends (the number travels in the head and is checked), and its receives are posted
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import struct
 import sys
 import threading
@@ -77,6 +81,12 @@ SMALL = 64 * 1024
 #: second message up to about this size on this project's machine); a larger one follows
 #: in a message of its own, straight from and into the tensors.
 TENSOR_INLINE = 4 << 20
+#: A tensor of at least this many bytes that follows two of the same dtype and shape on a
+#: gloo channel travels *bare*: its bytes alone, from and into the tensors (see
+#: :meth:`Channel.note`).
+BARE_MIN = 64 * 1024
+#: Bytes of the mark a receiver puts right behind where a bare message would end.
+MARK = 16
 #: Messages a receive takes in turn: the frame, the rest of the frame, the parts apart.
 FRAME, REST, PARTS, DONE = 1, 2, 3, 4
 ALIGN = layouts.P2P_ALIGN
@@ -161,14 +171,25 @@ def _unused(ch: Channel, cap: int) -> Optional[Tensor]:
     return buf
 
 
+class Meta(NamedTuple):
+    """A tensor message as a channel notes it (see :meth:`Channel.note`)."""
+
+    code: int  # its dtype's
+    dims: tuple
+    nbytes: int
+    frame: int  # the bytes of its frame, had it one (what the channel's history notes)
+
+
 class Channel:
     """One direction of one pair on one tag, at this end."""
 
     __slots__ = (
+        "bare",
         "count",
         "guess",
         "helper",
         "history",
+        "last",
         "lock",
         "moved",
         "queue",
@@ -196,6 +217,26 @@ class Channel:
         # a receiver's last tensor frame on the fast path: (head bytes before and after
         # the number, head, frame, dtype, dims), to build the next result while it comes
         self.guess: Optional[tuple[bytes, bytes, int, int, Any, tuple]] = None
+        # the last message's tensor (see Meta), when it was one of at least
+        # BARE_MIN bytes on a gloo group; and that, when the one before it was the same:
+        # then the next message may be bare (see note)
+        self.last: Optional[Meta] = None
+        self.bare: Optional[Meta] = None
+
+    def note(self, meta: Optional[Meta]) -> None:
+        """Note a message's tensor (``None``: not a tensor that may go bare), at both ends
+        alike, in the channel's order.
+
+        After two tensors of one dtype and shape (of at least :data:`BARE_MIN` bytes, on
+        a gloo group), the next message may go *bare*: when it is one more of them, the
+        sender sends its bytes alone, straight from the tensor, and the receiver takes them
+        into its result; no head, no copy. The receiver cannot tell how long a gloo message
+        was, so before it posts the buffer it writes :data:`MARK` random bytes right behind
+        where a bare message ends, and every other message is sent at least that long
+        (padded with zeros): the mark found intact means the message was bare. Nothing a
+        sender can send matches a mark it never saw, short of 16 random bytes."""
+        self.bare = meta if meta is not None and meta == self.last else None
+        self.last = meta
 
 
 def channel(comm: Comm, way: str, peer: int, tag: int) -> Channel:
@@ -228,6 +269,29 @@ def capacity(history: deque[int], exact_sizes: bool) -> int:
     if exact_sizes and top > SMALL and top > STEADY * min(history):
         return least
     return max(top, least)
+
+
+def first_bytes(ch: Channel, exact_sizes: bool) -> int:
+    """The bytes of the first message of ``ch``'s next frame: its capacity, and when the
+    message may be bare, at least a bare message and its mark."""
+    cap = capacity(ch.history, exact_sizes)
+    bare = ch.bare
+    return cap if bare is None else max(cap, bare[2] + MARK)
+
+
+def meta_of(comm: Comm, code: int, dims: tuple, nbytes: int) -> Optional[Meta]:
+    """What :meth:`Channel.note` keeps of a tensor message (``None`` when it may not go
+    bare: too small, or a group that is not gloo's on the CPU)."""
+    if nbytes < BARE_MIN or not comm.cpu_home or exact(comm):
+        return None
+    return Meta(code, dims, nbytes, layouts.p2p_head_bytes(len(dims)) + nbytes)
+
+
+def _marked(buf: Tensor, at: int) -> bytes:
+    """Write a fresh mark into the CPU buffer ``buf`` at ``at``; the mark."""
+    mark = os.urandom(MARK)
+    ctypes.memmove(buf.data_ptr() + at, mark, MARK)
+    return mark
 
 
 def _copied(frame: int, buffer: int) -> bool:
@@ -344,19 +408,30 @@ def _encoded(comm: Comm, data: Any, call: ObjectCall) -> _Body:
 def build(comm: Comm, data: Any, ch: Channel, number: int, call: ObjectCall) -> Outgoing:
     """The messages that send ``data`` as message ``number`` of channel ``ch``."""
     kind, body, apart, (n_apart, code, dims), error = _encoded(comm, data, call)
+    meta = None
+    if kind == P2P_TENSOR:
+        flat = body if body is not None else apart[0]
+        meta = meta_of(comm, code, dims, flat.numel())
+        if meta is not None and meta == ch.bare:  # bare: its bytes alone, no copy
+            ch.note(meta)
+            return Outgoing(([flat], [], []), meta.frame, None)
     head_bytes = layouts.p2p_head_bytes(len(dims) if kind == P2P_TENSOR else 0)
     body_bytes = 0 if body is None else len(body) if isinstance(body, bytes) else body.numel()
     frame_bytes = head_bytes + body_bytes
     needs_exact = exact(comm)
-    cap = capacity(ch.history, needs_exact)
-    size = max(frame_bytes, cap) if needs_exact else frame_bytes
+    cap = first_bytes(ch, needs_exact)
+    # at least the receiver's capacity where it needs exact sizes, and past the mark
+    # where the message might have been bare
+    least = cap if needs_exact else 0 if ch.bare is None else ch.bare[2] + MARK
+    size = max(frame_bytes, least)
     buf = _frame_buffer(comm, ch, size, kind == P2P_TENSOR)
     _put(buf, 0, _head(kind, head_bytes, frame_bytes, number, n_apart, code, dims))
     if body is not None:
         _put(buf, head_bytes, body)
-    if size > frame_bytes:  # padding up to an exact capacity: zeros, never stale bytes
+    if size > frame_bytes:  # padding: zeros, never stale bytes
         buf[frame_bytes:].zero_()
-    first = buf[: min(size, cap)] if needs_exact else buf[: min(frame_bytes, cap)]
+    ch.note(meta)
+    first = buf[: min(size, cap)]
     rest = [buf[cap:frame_bytes]] if frame_bytes > cap else []
     return Outgoing(([first], rest, apart), frame_bytes, error)
 
@@ -389,6 +464,7 @@ class Receive:
         "comm",
         "error",
         "head",
+        "mark",
         "number",
         "parts",
         "raw",
@@ -419,6 +495,7 @@ class Receive:
         self.buf: Optional[Tensor] = None
         self.cap = 0
         self.head: tuple = ()
+        self.mark = b""  # behind where a bare message would end (see Channel.note)
         self.parts: list[Tensor] = []
         self.result: Any = None
         #: what ended a wait for its messages (in whichever thread): raised again by the
@@ -434,8 +511,10 @@ class Receive:
         """The buffers of the next stage's messages, once this stage's arrived (empty: a
         stage with no message)."""
         if self.stage == 0:
-            self.cap = capacity(self.ch.history, exact(self.comm))
+            self.cap = first_bytes(self.ch, exact(self.comm))
             self.buf = torch.empty(self.cap, dtype=torch.uint8, device=self.comm.device())
+            if self.ch.bare is not None:
+                self.mark = _marked(self.buf, self.ch.bare[2])
             self.stage = FRAME
             return [self.buf]
         if self.stage == FRAME:
@@ -469,6 +548,14 @@ class Receive:
 
     def _frame_arrived(self) -> list[Tensor]:
         assert self.buf is not None
+        bare = self.ch.bare
+        if self.mark and bare is not None and self._read(bare[2], MARK) == self.mark:
+            code, dims, nbytes, _ = bare  # a bare message: its tensor's bytes alone
+            dtype = layouts.code_dtype(code)
+            self.head = (P2P_TENSOR, 0, nbytes, self.number, 0, code, len(dims), 0, dtype, dims)
+            self.ch.history.append(bare.frame)
+            return []
+        self.mark = b""
         head = P2P_HEAD.unpack(self._read(0, _HEAD_SIZE))
         kind, head_bytes, frame_bytes, number, apart = head[:5]
         if number != self.number:
@@ -488,8 +575,12 @@ class Receive:
 
     def _parts(self) -> list[Tensor]:
         """The buffers of the parts sent apart, as the whole frame says."""
+        if self.mark:  # a bare message: all of it came
+            return []
         kind, head_bytes, frame_bytes, _, apart, code, ndim, _ = self.head
         dev = self.comm.device()
+        if kind != P2P_TENSOR:
+            self.ch.note(None)
         if kind == P2P_TENSOR:
             if ndim < 0 or head_bytes < layouts.p2p_head_bytes(ndim):
                 raise self._broken(f"a tensor head of {ndim} dims in {head_bytes} bytes")
@@ -507,6 +598,7 @@ class Receive:
             if min(dims, default=0) < 0 or not fits:
                 raise self._broken(f"a {dtype} tensor of shape {dims} in {frame_bytes} bytes")
             self.head = (*self.head, dtype, tuple(dims))
+            self.ch.note(meta_of(self.comm, code, tuple(dims), nbytes))
             if apart:
                 out = torch.empty(dims, dtype=dtype, device=dev)
                 self.parts = [out]
@@ -891,7 +983,21 @@ def _fast(comm: Comm) -> bool:
     return comm.cpu_home and not exact(comm) and not pairs.debugging()
 
 
-def _quick_send(comm: Comm, data: Any, dst: int, tag: int) -> Optional[tuple[Op, list, _Stage]]:
+class _Unstaged:
+    """What a bare send has instead of a stage: nothing to free."""
+
+    __slots__ = ("works",)
+
+    def __init__(self) -> None:
+        self.works: list[Any] = []
+
+
+_NO_STAGE = _Unstaged()
+
+
+def _quick_send(
+    comm: Comm, data: Any, dst: int, tag: int
+) -> Optional[tuple[Op, list, Union[_Stage, _Unstaged]]]:
     """Post ``data`` to ``dst`` if it takes the fast path: ``(op, works, its buffer)``."""
     if (
         data.__class__ is not _TENSOR
@@ -905,28 +1011,39 @@ def _quick_send(comm: Comm, data: Any, dst: int, tag: int) -> Optional[tuple[Op,
     ndim = data.dim()
     nbytes = data.numel() * data.element_size()
     code = _CODES.get(data.dtype)
-    if ndim >= len(_HEADS) or nbytes > TENSOR_INLINE or code is None:
-        return None
     ch = channel(comm, "send", dst, tag)
     number = ch.count + 1
+    pg, wire = comm.pg, layouts.P2P_TAG_BASE + tag
+    assert pg is not None
+    bare = ch.bare
+    if bare is not None and bare[0] == code and bare[2] == nbytes and bare[1] == data.shape:
+        # bare: the tensor's bytes alone, straight from it (see Channel.note)
+        works = [pg.send([data], dst, wire)]  # (gloo sends bytes, whatever the dtype)
+        ch.count = number
+        ch.history.append(bare.frame)
+        return Op("send", dst, tag, number), works, _NO_STAGE
+    if ndim >= len(_HEADS) or nbytes > TENSOR_INLINE or code is None:
+        return None
     head = _HEADS[ndim]
     frame = head + nbytes
-    cap = capacity(ch.history, False)
-    stage = _staged(ch, frame)
+    cap = first_bytes(ch, False)
+    size = frame if bare is None else max(frame, bare[2] + MARK)  # past the mark
+    stage = _staged(ch, size)
     P2P_HEAD.pack_into(stage.raw, 0, P2P_TENSOR, head, frame, number, 0, code, ndim, 0)
     if ndim:
         _DIMS[ndim].pack_into(stage.raw, _HEAD_SIZE, *data.shape)
     if nbytes:
         ctypes.memmove(stage.ptr + head, data.data_ptr(), nbytes)
-    pg, wire = comm.pg, layouts.P2P_TAG_BASE + tag
-    assert pg is not None
-    if frame <= cap:
-        works = [pg.send([stage.view(frame)], dst, wire)]
+    if size > frame:  # padding: zeros, never stale bytes
+        stage.tensor[frame:size].zero_()
+    if size <= cap:
+        works = [pg.send([stage.view(size)], dst, wire)]
     else:  # larger than the channel's last frames: the rest in a second message
         rest = stage.tensor[cap:frame]
         works = [pg.send([stage.view(cap)], dst, wire), pg.send([rest], dst, wire)]
     ch.count = number
     ch.history.append(frame)
+    ch.note(meta_of(comm, code, tuple(data.shape), nbytes))
     stage.works = works
     return Op("send", dst, tag, number), works, stage
 
@@ -968,6 +1085,7 @@ class _Quick:
         "ch",
         "comm",
         "expected",
+        "mark",
         "number",
         "src",
         "tag",
@@ -975,14 +1093,18 @@ class _Quick:
         "work",
     )
 
-    def __init__(self, comm: Comm, src: int, tag: int, call: ObjectCall, ch: Channel) -> None:
+    def __init__(
+        self, comm: Comm, src: int, tag: int, call: Optional[ObjectCall], ch: Channel
+    ) -> None:
         self.comm, self.src, self.tag, self.call, self.ch = comm, src, tag, call, ch
         self.number = ch.count + 1
-        self.cap = capacity(ch.history, False)
+        self.cap = first_bytes(ch, False)
         buf = _unused(ch, self.cap)
         if buf is None:
             buf = torch.empty(self.cap, dtype=torch.uint8, device="cpu")
         self.buf = buf
+        bare = ch.bare
+        self.mark = b"" if bare is None else _marked(buf, bare[2])
         pg = comm.pg
         assert pg is not None
         self.work: Any = pg.recv([self.buf], src, layouts.P2P_TAG_BASE + tag)
@@ -990,7 +1112,10 @@ class _Quick:
         self.view: Optional[Tensor] = None
         self.expected = b""
         guess = ch.guess
-        if guess is not None and guess[3] <= self.cap and not _copied(guess[3], self.cap):
+        if bare is not None:  # built while it comes, as for a guess
+            code, dims, nbytes, _ = bare
+            self.view = buf[:nbytes].view(_DTYPES[code]).view(dims)
+        elif guess is not None and guess[3] <= self.cap and not _copied(guess[3], self.cap):
             before, after, head, frame, dtype, dims = guess
             self.expected = before + _NUMBER.pack(self.number) + after
             self.view = self.buf[head:frame].view(dtype).view(dims)
@@ -1000,7 +1125,7 @@ class _Quick:
         return Op("recv", self.src, self.tag, self.number)
 
 
-def _quick_recv(comm: Comm, src: int, tag: int, call: ObjectCall) -> Optional[_Quick]:
+def _quick_recv(comm: Comm, src: int, tag: int, call: Optional[ObjectCall]) -> Optional[_Quick]:
     """Post a receive from ``src`` on the fast path (nothing queued before it)."""
     ch = channel(comm, "recv", src, tag)
     if ch.queue:
@@ -1012,9 +1137,22 @@ def _quick_result(q: _Quick, public: str) -> Any:
     """What came, once ``q``'s frame arrived."""
     buf, ch, cap, number = q.buf, q.ch, q.cap, q.number
     ptr = buf.data_ptr()
+    bare = ch.bare
+    if q.mark and bare is not None and ctypes.string_at(ptr + bare[2], MARK) == q.mark:
+        ch.history.append(bare.frame)  # bare: its bytes alone (see Channel.note)
+        ch.spare.buf = buf  # the result is a view of it: free again once that is dropped
+        view = q.view
+        assert view is not None
+        return view.clone() if _copied(bare[2], cap) else view
     guess = ch.guess
-    if q.view is not None and guess and ctypes.string_at(ptr, len(q.expected)) == q.expected:
+    if (
+        not q.mark
+        and q.view is not None
+        and guess
+        and ctypes.string_at(ptr, len(q.expected)) == q.expected
+    ):
         ch.history.append(guess[3])
+        ch.note(meta_of(q.comm, _CODES[guess[4]], guess[5], guess[3] - guess[2]))
         ch.spare.buf = buf  # the result is a view of it: free again once that is dropped
         return q.view
     kind, head, frame, got, apart, code, ndim, _ = P2P_HEAD.unpack(ctypes.string_at(ptr, 64))
@@ -1035,6 +1173,7 @@ def _quick_result(q: _Quick, public: str) -> Any:
             numel *= d
         if numel * dtype.itemsize == frame - head and min(dims, default=0) >= 0:
             ch.history.append(frame)
+            ch.note(meta_of(q.comm, code, dims, frame - head))
             ch.guess = (raw[:24], raw[32:], head, frame, dtype, dims)
             body = buf[head:frame]
             if _copied(frame, cap):  # a small part of a large buffer: memory of its own
@@ -1042,7 +1181,8 @@ def _quick_result(q: _Quick, public: str) -> Any:
             ch.spare.buf = buf
             return body.view(dtype).view(dims)
     ch.guess = None  # anything else: the general path reads the frame again
-    rcv = Receive(q.comm, q.src, q.tag, number, q.call, ch)
+    call = q.call if q.call is not None else call_of(public, q.comm)
+    rcv = Receive(q.comm, q.src, q.tag, number, call, ch)
     rcv.cap, rcv.buf, rcv.stage = cap, buf, FRAME
     ch.queue.append(rcv)
     return finish(rcv, public)
@@ -1128,7 +1268,7 @@ def recv_lane(src: int, pg: Any) -> Any:
         return MISS
     facts = comm._facts
     try:
-        q = _quick_recv(comm, src, 0, call_of("recv", comm))
+        q = _quick_recv(comm, src, 0, None)  # (its call is made once needed)
         if q is None:
             return MISS  # receives posted before it come first: the checked path
         _wait_noted(comm, "recv", q.op, [q.work])
