@@ -694,6 +694,28 @@ def test_debug_mode_lets_an_exchange_meet_plain_sends_and_recvs(order):
                 dist.send(torch.full((1,), 7.0), 0)
 
 
+def _a_handle_outliving_its_group() -> bool:
+    rank = dist.get_rank()
+    sub = torch.distributed.new_group([0, 1], backend="gloo")
+    handle = dist.irecv(1 - rank, group=sub, tag=3)  # neither rank sends
+    dist.barrier()
+    torch.distributed.destroy_process_group(sub)
+    said = (
+        "irecv: this handle's process group was destroyed .* before its messages were "
+        f"waited for \\(on rank {rank} of 2\\)"
+    )
+    for call in (handle.is_completed, handle.wait):
+        with pytest.raises(RuntimeError, match=said):
+            call()
+    return True
+
+
+def test_a_handle_whose_group_was_destroyed_says_so_on_every_rank():
+    """Its messages can no longer come: a clear error at once, not a ``KeyError`` from
+    torch's tables or a timeout that blames the peer."""
+    assert in_fresh_world(_a_handle_outliving_its_group, 2, timeout=60) == [True, True]
+
+
 @ranks(2, timeout=60)
 def test_a_handle_that_timed_out_raises_again_and_reads_nothing():
     rank = dist.get_rank()

@@ -53,6 +53,7 @@ from distkit._compat import (
     group_timeout,
     has_torch_function_unary,
     is_compiling,
+    is_registered,
     storage_use_count,
 )
 from distkit.dist.backends.base import ObjectCall
@@ -1350,9 +1351,30 @@ class _Waiter:
         #: so what its buffers hold is not read again; later waits raise it again
         self.failed: Optional[BaseException] = None
 
+    def _finished(self) -> bool:
+        """Whether every message was waited for (nothing is left to read)."""
+        return len(self.results) == len(self.received) and all(
+            w.is_completed() for _, works in self.sent for w in works
+        )
+
+    def _check_world(self) -> None:
+        """Raise when the handle's group was destroyed with messages still to wait for:
+        they can no longer arrive, and the group cannot say who its members were."""
+        pg = self.comm.pg
+        if pg is None or is_registered(pg) or self._finished():
+            return
+        self.failed = RuntimeError(
+            f"{self.public}: this handle's process group was destroyed "
+            "(destroy_dist() or destroy_process_group()) before its messages were waited "
+            f"for (on rank {self.comm.rank} of {self.comm.size}): they can no longer "
+            "arrive. Wait for every handle before destroying its group"
+        )
+        raise self.failed
+
     def is_completed(self) -> bool:
         if self.failed is not None:
             raise self.failed
+        self._check_world()
         if any(not all(w.is_completed() for w in works) for _, works in self.sent):
             return False
         return all(
@@ -1363,6 +1385,7 @@ class _Waiter:
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         if self.failed is not None:
             raise self.failed
+        self._check_world()
         try:
             return self._wait(timeout)
         except Exception as exc:
