@@ -88,6 +88,22 @@ if AVAILABLE:
 #: Whether torch.compile is tracing the caller (torch >= 2.3 has it public).
 is_compiling: Callable[[], bool] = torch.compiler.is_compiling
 
+#: torch.compile's frame hook, when one is set (torch >= 2.5 can say; else ``None``)
+_frame_hook: Optional[Callable[[], Any]] = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None
+)
+
+
+def in_compiled_eager() -> bool:
+    """Whether this code runs eagerly inside a ``torch.compile``'d function (after a graph
+    break, or in a frame torch.compile gave up on) while its frame hook is set: then it
+    may try to compile any function this code calls, as a frame of its own, and fails
+    hard on one that touches a process group's methods. Calls that must run eagerly go
+    through :func:`disable` then. (Always ``False`` on a torch that cannot tell.)"""
+    if _frame_hook is None or is_compiling():
+        return False
+    return _frame_hook() not in (None, False)
+
 
 def after_import(name: str, callback: Callable[[], None]) -> None:
     """Run ``callback`` once module ``name`` is imported: now if it is, else right after

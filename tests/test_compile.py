@@ -530,6 +530,21 @@ def test_point_to_point_breaks_the_graph_with_a_reason_and_stays_correct():
         assert "distkit.dist.exchange moves data point to point" in reasons, reasons
         with pytest.raises(Exception, match=r"distkit\.dist\.send moves data point to point"):
             _compiled(lambda x: dist.send(x, 1 - rank) or x)(t)
+
+        # the plain blocking calls (their lanes), in a step compiled again for each new k:
+        # the hook left on for the code that runs eagerly compiled distkit's own functions
+        # one by one, and failed hard on the receive's process group
+        def step(x, k):
+            if rank == 0:
+                dist.send(x * 2, 1)
+                return x
+            return dist.recv(0) + k
+
+        compiled = _compiled(step, fullgraph=False, backend="eager")
+        for k in range(6):
+            x = torch.full((64, 64) if k != 4 else (32, 128), float(k))
+            out = compiled(x, k)
+            assert torch.equal(out, x if rank == 0 else x * 2 + k), k
     torch._dynamo.reset()
 
 

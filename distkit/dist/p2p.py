@@ -34,6 +34,7 @@ from typing import Any, Callable, Literal, TypeVar, Union, overload
 
 from torch import Tensor
 
+from distkit._compat import disable, in_compiled_eager
 from distkit.dist._route import resolve
 from distkit.dist.backends import p2p as _p2p
 from distkit.dist.backends.tensors import TORCH
@@ -55,6 +56,25 @@ def _data(data: Any, name: str, fn: str, comm: Comm) -> None:
     DTensor); anything else travels as an object."""
     if isinstance(data, Tensor):
         _args.tensor(data, name, fn, comm)
+
+
+_SHIELDED: dict[str, Callable[..., Any]] = {}
+
+
+def _backend(comm: Comm, method: str) -> Callable[..., Any]:
+    """``comm``'s backend ``method``; excluded from torch.compile when this runs eagerly
+    inside a compiled function (see :func:`distkit._compat.in_compiled_eager`), where the
+    hook would otherwise try to compile the backend's functions one by one."""
+    if not in_compiled_eager():
+        return getattr(comm.backend, method)
+    found = _SHIELDED.get(method)
+    if found is None:
+
+        def run(comm: Comm, *args: Any) -> Any:
+            return getattr(comm.backend, method)(comm, *args)
+
+        found = _SHIELDED[method] = disable(run, spec.eager_reason(method))
+    return found
 
 
 def _lane(method: str, peer: str, fn: Callable[..., Any]) -> Callable[[_F], _F]:
@@ -140,7 +160,7 @@ def _send(data: Any, dst: int, group: GroupLike, tag: int, async_op: Any, fn: st
     tag = _args.tag(tag, fn, comm, _TAGS)
     async_op = _args.flag(async_op, "async_op", fn, comm)
     dst = _args.peer(dst, "dst", fn, comm)  # last: any dst fails in a world of one rank
-    return comm.backend.send(comm, data, dst, tag, async_op, _p2p.call_of(fn, comm))
+    return _backend(comm, "send")(comm, data, dst, tag, async_op, _p2p.call_of(fn, comm))
 
 
 @overload
@@ -214,7 +234,7 @@ def _recv(src: int, group: GroupLike, tag: int, async_op: Any, fn: str) -> Any:
     tag = _args.tag(tag, fn, comm, _TAGS)
     async_op = _args.flag(async_op, "async_op", fn, comm)
     src = _args.peer(src, "src", fn, comm)  # last: any src fails in a world of one rank
-    return comm.backend.recv(comm, src, tag, async_op, _p2p.call_of(fn, comm))
+    return _backend(comm, "recv")(comm, src, tag, async_op, _p2p.call_of(fn, comm))
 
 
 def isend(data: Any, dst: int, group: GroupLike = None, tag: int = 0) -> Handle[None]:
@@ -414,4 +434,4 @@ def exchange(
             "This rank's own entry comes back as passed: put it in both, or in neither",
         )
     tag = _args.tag(tag, fn, comm, _TAGS)
-    return comm.backend.exchange(comm, checked, sources, tag, _p2p.call_of(fn, comm))
+    return _backend(comm, "exchange")(comm, checked, sources, tag, _p2p.call_of(fn, comm))

@@ -52,6 +52,7 @@ from torch import Tensor
 from distkit._compat import (
     group_timeout,
     has_torch_function_unary,
+    in_compiled_eager,
     is_compiling,
     is_registered,
     storage_use_count,
@@ -1214,8 +1215,14 @@ def _lane_comm(pg: Any, peer: int) -> Optional[Comm]:
     """The group ``pg`` as a lane takes it, holding it for this thread, or ``None`` when
     the call needs the checked path (``peer``, an int, is out of range or this rank, or
     anything else the fast path does not do)."""
-    if is_compiling() or getattr(_local, "depth", False) or _record.active is not None:
-        return None  # traced, inside another call, or recorded: the checked path
+    if (
+        is_compiling()
+        or in_compiled_eager()
+        or getattr(_local, "depth", False)
+        or _record.active is not None
+    ):
+        return None  # traced or under torch.compile's hook, inside another call, or
+        # recorded: the checked path
     facts = _FACTS.get(id(pg))
     if (
         facts is None  # a group the checked path has not met yet, or none at all
