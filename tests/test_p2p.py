@@ -342,6 +342,28 @@ def test_runs_of_one_shape_go_bare_on_every_path_and_nothing_else_is_taken_for_o
         h.wait()
 
 
+@ranks(2)
+def test_a_small_send_after_a_run_of_large_ones_keeps_no_large_buffer():
+    """The message that breaks a bare run of tensors over 4 MiB is padded past them in a
+    buffer of its own: the channel's reused frame buffer stays at most its usual size."""
+    from distkit.dist._route import resolve
+
+    rank, tag = dist.get_rank(), 12
+    big = torch.arange(5 << 18, dtype=torch.float32)  # 5 MiB: the third goes bare
+    for k in range(3):
+        if rank == 0:
+            dist.send(big + k, 1, tag=tag)
+        else:
+            same(dist.recv(0, tag=tag), big + k)
+    small = torch.arange(10.0)
+    if rank == 0:
+        dist.send(small, 1, tag=tag)
+        stage = _p2p.channel(resolve(None, "send"), "send", 1, tag).stage
+        assert stage is None or stage.size <= _p2p.STAGE_BYTES, stage.size
+    else:
+        same(dist.recv(0, tag=tag), small)
+
+
 @ranks(2, 3, 4)
 def test_messages_arrive_in_order_and_tags_are_streams_of_their_own():
     rank = dist.get_rank()

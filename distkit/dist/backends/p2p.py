@@ -1026,6 +1026,8 @@ def _quick_send(
         return Op("send", dst, tag, number), works, _NO_STAGE
     if ndim >= len(_HEADS) or nbytes > TENSOR_INLINE or code is None:
         return None
+    if bare is not None and bare.nbytes + MARK > STAGE_BYTES:
+        return None  # padded past a large run: a buffer of its own (see _frame_buffer)
     head = _HEADS[ndim]
     frame = head + nbytes
     cap = first_bytes(ch, False)
