@@ -21,6 +21,8 @@ from distkit.utils.groups import clear_group_cache
 
 #: mmengine's third positional argument of init_dist (only torch is supported here).
 _INIT_BACKENDS = ("torch", "deepspeed", "colossalai")
+#: Worlds ``init_dist`` made in this process over ``env://`` (see :func:`_world_store`).
+_worlds_made = 0
 
 
 def infer_launcher() -> str:
@@ -82,6 +84,12 @@ def init_dist(
     at exit, while the interpreter is still whole (left to the interpreter's teardown,
     gloo can abort the process after a run that succeeded).
 
+    A process may make world after world (``init_dist``, ``destroy_dist``, ``init_dist``
+    ...): over ``env://``, each world after the first keeps its rendezvous keys under a
+    prefix of its own (``distkit/world1/``, ...), since a launcher's store outlives the
+    worlds and a world must not read the addresses of the one before. Every rank must
+    make the same worlds in the same order.
+
     Collective: every rank of the job must call this.
     Single process (``none``, or ``auto`` without launcher variables): starts nothing and
     returns ``(0, 1)``. Already initialized: returns the current ``(rank, world_size)``.
@@ -109,6 +117,7 @@ def init_dist(
         >>> dist.init_dist("none")
         (0, 1)
     """
+    global _worlds_made
     if isinstance(timeout, str):
         if timeout not in _INIT_BACKENDS:
             raise TypeError(
@@ -152,11 +161,29 @@ def init_dist(
     if "store" not in kwargs:
         options["init_method"] = kwargs.pop("init_method", "env://")
     options.update(kwargs)
+    fresh = options.get("init_method") == "env://"
+    if fresh and _worlds_made:  # a world again in this process (after destroy_dist)
+        options["store"] = _world_store(rank, world, timeout)
+        del options["init_method"]
     td.init_process_group(**options)
+    _worlds_made += fresh
     _destroy_at_exit(_registry.current._default_pg)
     _watch_world()
     _profile_run()
     return rank, world
+
+
+def _world_store(rank: int, world: int, timeout: Optional[timedelta]) -> Any:
+    """The rendezvous store of this process's next world over ``env://``, under a prefix
+    of its own.
+
+    A launcher's store (torchrun's agent, ``distkit launch``) outlives the worlds made on
+    it, and ``env://`` gives each one the same keys: a second world read the first one's
+    gloo addresses and failed to connect ("Connection refused"), in about half the runs.
+    Every rank counts the worlds it made, so all of them agree on the prefix."""
+    extra = {} if timeout is None else {"timeout": timeout}
+    store, _, _ = next(td.rendezvous("env://", rank, world, **extra))
+    return td.PrefixStore(f"distkit/world{_worlds_made}/", store)
 
 
 def _destroy_at_exit(pg: Any) -> None:
