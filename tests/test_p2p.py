@@ -212,6 +212,26 @@ def _mixed(k: int):
     return torch.arange(n // (3 if kind == 2 else 1), dtype=torch.int32) + k
 
 
+def _send_by(how: int, data, pending: list) -> None:
+    """Send ``data`` to rank 1 by ``send`` (0), ``isend`` (1, its handle kept in
+    ``pending``) or ``exchange`` (2)."""
+    if how == 0:
+        dist.send(data, 1)
+    elif how == 1:
+        pending.append(dist.isend(data, 1))
+    else:
+        dist.exchange({1: data}, [])
+
+
+def _recv_by(how: int):
+    """Receive from rank 0 by ``recv`` (0), ``irecv`` (1) or ``exchange`` (2)."""
+    if how == 0:
+        return dist.recv(0)
+    if how == 1:
+        return dist.irecv(0).wait()
+    return dist.exchange({}, [0])[0]
+
+
 @ranks(2)
 def test_every_pairing_of_send_and_receive_paths_agrees_on_the_wire():
     """The sender's path (send, isend, exchange) and the receiver's (recv, irecv,
@@ -233,23 +253,14 @@ def test_every_pairing_of_send_and_receive_paths_agrees_on_the_wire():
                         dist.isend(want, 1).wait()
                     else:
                         dist.send(want, 1)
-            elif how_send == 0:
-                dist.send(want, 1)
-            elif how_send == 1:
-                pending.append(dist.isend(want, 1))
             else:
-                dist.exchange({1: want}, [])
+                _send_by(how_send, want, pending)
             continue
         if failing:
             with pytest.raises(TypeError, match="rank 0 could not send its object"):
                 dist.recv(0)
             continue
-        if how_recv == 0:
-            got = dist.recv(0)
-        elif how_recv == 1:
-            got = dist.irecv(0).wait()
-        else:
-            got = dist.exchange({}, [0])[0]
+        got = _recv_by(how_recv)
         if isinstance(want, dict):
             assert got["k"] == k and torch.equal(got["t"], want["t"]), k
         else:
@@ -311,23 +322,14 @@ def test_runs_of_one_shape_go_bare_on_every_path_and_nothing_else_is_taken_for_o
             if failing:
                 with pytest.raises(TypeError, match="cannot be pickled"):
                     dist.send(data, 1)
-            elif how_send == 0:
-                dist.send(data, 1)
-            elif how_send == 1:
-                pending.append(dist.isend(data, 1))
             else:
-                dist.exchange({1: data}, [])
+                _send_by(how_send, data, pending)
             continue
         if failing:
             with pytest.raises(TypeError, match="rank 0 could not send its object"):
                 dist.recv(0)
             continue
-        if how_recv == 0:
-            got = dist.recv(0)
-        elif how_recv == 1:
-            got = dist.irecv(0).wait()
-        else:
-            got = dist.exchange({}, [0])[0]
+        got = _recv_by(how_recv)
         if isinstance(want, dict):
             assert got["k"] == want["k"] and torch.equal(got["t"], want["t"]), k
             continue

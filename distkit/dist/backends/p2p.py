@@ -278,7 +278,7 @@ def first_bytes(ch: Channel, exact_sizes: bool) -> int:
     message may be bare, at least a bare message and its mark."""
     cap = capacity(ch.history, exact_sizes)
     bare = ch.bare
-    return cap if bare is None else max(cap, bare[2] + MARK)
+    return cap if bare is None else max(cap, bare.nbytes + MARK)
 
 
 def meta_of(comm: Comm, code: int, dims: tuple, nbytes: int) -> Optional[Meta]:
@@ -424,7 +424,7 @@ def build(comm: Comm, data: Any, ch: Channel, number: int, call: ObjectCall) -> 
     cap = first_bytes(ch, needs_exact)
     # at least the receiver's capacity where it needs exact sizes, and past the mark
     # where the message might have been bare
-    least = cap if needs_exact else 0 if ch.bare is None else ch.bare[2] + MARK
+    least = cap if needs_exact else 0 if ch.bare is None else ch.bare.nbytes + MARK
     size = max(frame_bytes, least)
     buf = _frame_buffer(comm, ch, size, kind == P2P_TENSOR)
     _put(buf, 0, _head(kind, head_bytes, frame_bytes, number, n_apart, code, dims))
@@ -516,7 +516,7 @@ class Receive:
             self.cap = first_bytes(self.ch, exact(self.comm))
             self.buf = torch.empty(self.cap, dtype=torch.uint8, device=self.comm.device())
             if self.ch.bare is not None:
-                self.mark = _marked(self.buf, self.ch.bare[2])
+                self.mark = _marked(self.buf, self.ch.bare.nbytes)
             self.stage = FRAME
             return [self.buf]
         if self.stage == FRAME:
@@ -551,7 +551,7 @@ class Receive:
     def _frame_arrived(self) -> list[Tensor]:
         assert self.buf is not None
         bare = self.ch.bare
-        if self.mark and bare is not None and self._read(bare[2], MARK) == self.mark:
+        if self.mark and bare is not None and self._read(bare.nbytes, MARK) == self.mark:
             code, dims, nbytes, _ = bare  # a bare message: its tensor's bytes alone
             dtype = layouts.code_dtype(code)
             self.head = (P2P_TENSOR, 0, nbytes, self.number, 0, code, len(dims), 0, dtype, dims)
@@ -1018,7 +1018,7 @@ def _quick_send(
     pg, wire = comm.pg, layouts.P2P_TAG_BASE + tag
     assert pg is not None
     bare = ch.bare
-    if bare is not None and bare[0] == code and bare[2] == nbytes and bare[1] == data.shape:
+    if bare is not None and bare.code == code and bare.nbytes == nbytes and bare.dims == data.shape:
         # bare: the tensor's bytes alone, straight from it (see Channel.note)
         works = [pg.send([data], dst, wire)]  # (gloo sends bytes, whatever the dtype)
         ch.count = number
@@ -1031,7 +1031,7 @@ def _quick_send(
     head = _HEADS[ndim]
     frame = head + nbytes
     cap = first_bytes(ch, False)
-    size = frame if bare is None else max(frame, bare[2] + MARK)  # past the mark
+    size = frame if bare is None else max(frame, bare.nbytes + MARK)  # past the mark
     stage = _staged(ch, size)
     P2P_HEAD.pack_into(stage.raw, 0, P2P_TENSOR, head, frame, number, 0, code, ndim, 0)
     if ndim:
@@ -1108,7 +1108,7 @@ class _Quick:
             buf = torch.empty(self.cap, dtype=torch.uint8, device="cpu")
         self.buf = buf
         bare = ch.bare
-        self.mark = b"" if bare is None else _marked(buf, bare[2])
+        self.mark = b"" if bare is None else _marked(buf, bare.nbytes)
         pg = comm.pg
         assert pg is not None
         self.work: Any = pg.recv([self.buf], src, layouts.P2P_TAG_BASE + tag)
@@ -1142,12 +1142,12 @@ def _quick_result(q: _Quick, public: str) -> Any:
     buf, ch, cap, number = q.buf, q.ch, q.cap, q.number
     ptr = buf.data_ptr()
     bare = ch.bare
-    if q.mark and bare is not None and ctypes.string_at(ptr + bare[2], MARK) == q.mark:
+    if q.mark and bare is not None and ctypes.string_at(ptr + bare.nbytes, MARK) == q.mark:
         ch.history.append(bare.frame)  # bare: its bytes alone (see Channel.note)
         ch.spare.buf = buf  # the result is a view of it: free again once that is dropped
         view = q.view
         assert view is not None
-        return view.clone() if _copied(bare[2], cap) else view
+        return view.clone() if _copied(bare.nbytes, cap) else view
     guess = ch.guess
     if (
         not q.mark
