@@ -34,13 +34,13 @@ from typing import Any, Callable, Literal, TypeVar, Union, overload
 
 from torch import Tensor
 
-from distkit._compat import disable, in_compiled_eager
+from distkit._compat import in_compiled_eager
 from distkit.dist._route import resolve
 from distkit.dist.backends import p2p as _p2p
 from distkit.dist.backends.tensors import TORCH
 from distkit.dist.core import args as _args
 from distkit.dist.core import layouts, spec
-from distkit.dist.core.comm import Comm, GroupLike
+from distkit.dist.core.comm import EAGER, Comm, GroupLike
 from distkit.dist.core.shortcut import shortcut
 from distkit.dist.handle import Handle
 
@@ -58,23 +58,15 @@ def _data(data: Any, name: str, fn: str, comm: Comm) -> None:
         _args.tensor(data, name, fn, comm)
 
 
-_SHIELDED: dict[str, Callable[..., Any]] = {}
-
-
 def _backend(comm: Comm, method: str) -> Callable[..., Any]:
-    """``comm``'s backend ``method``; excluded from torch.compile when this runs eagerly
-    inside a compiled function (see :func:`distkit._compat.in_compiled_eager`), where the
-    hook would otherwise try to compile the backend's functions one by one."""
+    """``comm``'s backend ``method``; when this runs eagerly inside a compiled function
+    (see :func:`distkit._compat.in_compiled_eager`), where the hook would otherwise try to
+    compile the backend's functions one by one, the method's eager runner instead (a
+    graph break, built once torch._dynamo is imported, as it is under a hook)."""
     if not in_compiled_eager():
         return getattr(comm.backend, method)
-    found = _SHIELDED.get(method)
-    if found is None:
-
-        def run(comm: Comm, *args: Any) -> Any:
-            return getattr(comm.backend, method)(comm, *args)
-
-        found = _SHIELDED[method] = disable(run, spec.eager_reason(method))
-    return found
+    eager = EAGER[method]
+    return lambda _comm, *args: eager(comm.pg, *args)
 
 
 def _lane(method: str, peer: str, fn: Callable[..., Any]) -> Callable[[_F], _F]:
