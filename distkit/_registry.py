@@ -112,20 +112,33 @@ def decide() -> str:
     """
     global alone
     if alone is None:
-        from distkit.utils.environ import launched_as  # torch-free
-
-        independent = os.environ.get("DISTKIT_INDEPENDENT", "").strip().lower()
-        allowed = independent in ("1", "true", "yes", "on")
-        # a process a rank started (a subprocess, a DataLoader worker) inherits the
-        # launcher's variables, but is no rank: the rank left its pid (see _board)
-        parent = os.environ.get(RANK_PID)
-        allowed = allowed or (parent is not None and parent != str(os.getpid()))
-        found = "" if allowed else (launched_as() or "")
         if _tracing():  # answered, not kept: the first eager call decides
-            return found
-        alone = found
+            return probe_while_tracing()
+        alone = probe()
         _retarget()
     return alone
+
+
+def probe() -> str:
+    """What :func:`decide` decides, read from the environment: the launcher phrase when
+    collectives without a process group are an error in this process, else ``""``."""
+    from distkit.utils.environ import launched_as  # torch-free
+
+    independent = os.environ.get("DISTKIT_INDEPENDENT", "").strip().lower()
+    allowed = independent in ("1", "true", "yes", "on")
+    # a process a rank started (a subprocess, a DataLoader worker) inherits the
+    # launcher's variables, but is no rank: the rank left its pid (see _board)
+    parent = os.environ.get(RANK_PID)
+    allowed = allowed or (parent is not None and parent != str(os.getpid()))
+    return "" if allowed else (launched_as() or "")
+
+
+#: :func:`probe` as ``torch.compile``'s tracer calls it: run once when the tracer meets
+#: it, its answer a constant of the graph (see :func:`distkit._compat.run_at_trace_time`),
+#: once torch._dynamo is loaded. Traced line by line instead, the environment lookups
+#: of a compiled step that holds the process's first collectives cost its trace four
+#: times as long as the collectives themselves.
+probe_while_tracing = probe
 
 
 def allow_alone() -> None:

@@ -108,6 +108,26 @@ def test_every_collective_refuses_to_run_alone_under_a_launcher(name, launched_b
     assert (dist.get_rank(), dist.get_world_size(), dist.get_dist_info()) == (0, 1, (0, 1))
 
 
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks"])
+def test_a_compiled_first_collective_refuses_to_run_alone_under_a_launcher(fullgraph, launched_by):
+    """Met first by torch.compile's tracer, the decision is asked while tracing (once, as
+    a constant of the graph) and not kept: the eager call after it decides (with graph
+    breaks, torch has already run the frame eagerly after the traced error)."""
+    import torch._dynamo
+
+    launched_by(TORCHRUN)
+    torch._dynamo.reset()
+    step = torch.compile(lambda t: dist.all_reduce(t * 2), backend="eager", fullgraph=fullgraph)
+    with pytest.raises(Exception) as info:  # fullgraph: torch wraps the RuntimeError
+        step(torch.ones(2))
+    assert "no process group exists, but torchrun (or another launcher)" in str(info.value)
+    assert (_registry.alone is None) == fullgraph
+    with pytest.raises(RuntimeError, match="no process group exists"):
+        dist.all_reduce(torch.ones(2))
+    assert _registry.alone is not None and "torchrun" in _registry.alone
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize(
     ("env", "says"),
     [
@@ -724,6 +744,11 @@ td.init_process_group("gloo")  # torch's own: nothing of distkit's runs at the e
 r = dist.get_rank()
 handle = dist.irecv(1 - r, tag=r)  # never sent (rank 0's too), never waited for
 print(f"rank {r} done", flush=True)
+# both reach the exit together (through the store: no collective), however loaded the
+# machine: a rank 2 s later than the other found its irecv failed by the other's exit
+store = td.distributed_c10d._get_default_store()
+store.set(f"exit{r}", "1")
+store.wait([f"exit{1 - r}"])
 """
 
 

@@ -114,6 +114,7 @@ _traced_once: Callable[..., Any] = _mark_traced
 def _with_dynamo() -> None:
     global _facts_eager, _traced_once
     _traced_once = run_at_trace_time(_mark_traced)
+    _registry.probe_while_tracing = run_at_trace_time(_registry.probe)
     _EAGER.update({name: _eager_runner(name) for name in _EAGER_METHODS})
     _facts_eager = disable(
         _facts_eager_impl,
