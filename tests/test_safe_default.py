@@ -749,6 +749,8 @@ print(f"rank {r} done", flush=True)
 store = td.distributed_c10d._get_default_store()
 store.set(f"exit{r}", "1")
 store.wait([f"exit{1 - r}"])
+if r == 1:  # its irecv can never be sent now, and the exit says so
+    td.destroy_process_group()
 """
 
 
@@ -761,11 +763,19 @@ def test_an_exit_with_an_irecv_never_received_names_it_and_exits_cleanly(tmp_pat
     proc = torchrun(2, _script(tmp_path, IRECV_NEVER_RECEIVED), timeout=90)
     assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout, proc.stdout
     assert "terminate called" not in proc.stderr, proc.stderr
-    for me, peer in ((0, 1), (1, 0)):  # each waits for the other: rank 0 leaves first
+    # each waits for the other (rank 0 leaves first); rank 1 destroyed its group first
+    for me, peer, awaited in (
+        (0, 1, "waiting up to 2 s for rank 1 to send it or exit. Wait for every irecv"),
+        (
+            1,
+            0,
+            "its group was destroyed, so it never will; waiting up to 4 s for rank 0 to "
+            "exit. Wait for every irecv before destroy_dist",
+        ),
+    ):
         assert (
             f"distkit: rank {me} exits while its irecv of message #1 from rank {peer} "
-            f"(tag {me}) has not received it; waiting up to {2 + 2 * me} s for rank {peer} "
-            "to send it or exit"
+            f"(tag {me}) has not received it; {awaited}"
         ) in proc.stderr, proc.stderr
 
 

@@ -954,10 +954,18 @@ def _at_exit() -> None:
     me, peer = ranks[0]
     seconds = EXIT_WAIT * (2 if any(p < m for m, p in ranks) else 1)
     rcv = waiting[0]
+    # a destroyed group's receive can never be sent: its helper still waits inside gloo
+    # until the peer's exit wakes it, which must happen while Python is whole
+    awaited = (
+        f"its group was destroyed, so it never will; waiting up to {seconds:g} s for rank "
+        f"{peer} to exit. Wait for every irecv before destroy_dist"
+        if rcv.comm.pg is not None and not is_registered(rcv.comm.pg)
+        else f"waiting up to {seconds:g} s for rank {peer} to send it or exit. Wait for "
+        "every irecv before exiting"
+    )
     print(
         f"distkit: rank {me} exits while its {rcv.call.fn} of message #{rcv.number} from "
-        f"rank {peer} (tag {rcv.tag}) has not received it; waiting up to {seconds:g} s "
-        f"for rank {peer} to send it or exit. Wait for every irecv before exiting",
+        f"rank {peer} (tag {rcv.tag}) has not received it; {awaited}",
         file=sys.stderr,
         flush=True,
     )
