@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from conftest import in_fresh_world, mismatch, world
+from conftest import in_fresh_world, mismatch, modern_compile, world
 from helpers_subprocess import script_env, torchrun
 
 import distkit.dist as dist
@@ -108,7 +108,15 @@ def test_every_collective_refuses_to_run_alone_under_a_launcher(name, launched_b
     assert (dist.get_rank(), dist.get_world_size(), dist.get_dist_info()) == (0, 1, (0, 1))
 
 
-@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks"])
+# with fullgraph=True, dynamo before 2.13 replaces the error with its own "Observed
+# exception", and distkit does not trace there (docs/modern-torch.md)
+@pytest.mark.parametrize(
+    "fullgraph",
+    [
+        pytest.param(True, marks=modern_compile, id="fullgraph"),
+        pytest.param(False, id="graph-breaks"),
+    ],
+)
 def test_a_compiled_first_collective_refuses_to_run_alone_under_a_launcher(fullgraph, launched_by):
     """Met first by torch.compile's tracer, the decision is asked while tracing (once, as
     a constant of the graph) and not kept: the eager call after it decides (with graph
