@@ -37,6 +37,13 @@ from distkit.utils.groups import group_ranks
 #: Seconds between two rounds of the watchdog.
 TICK = 0.5
 
+#: Seconds a stuck report waits for the ranks' answers to its roll call. A rank answers
+#: within a round of its watchdog, unless the machine is so loaded that the thread waits
+#: for a core (2 s were once too few, with two CPU burners beside the test suite): only
+#: a report naming a rank that does not answer (gone, or holding Python's lock) waits it
+#: out, and it comes after DISTKIT_STUCK_AFTER seconds anyway.
+ANSWERS_WITHIN = 10 * TICK
+
 
 class _Watchdog:
     def __init__(self) -> None:
@@ -299,7 +306,7 @@ def _report(board: _board.Board, facts: Any, call: str, seq: int, waited: float)
         mine = state(board)
         k = board.ask({"kind": "where", "group": ranks, "from": me})
         others = [r for r in ranks if r != me]
-        answers = board.answers(k, others, max(4 * TICK, 1.5))
+        answers = board.answers(k, others, ANSWERS_WITHIN)
         exits = board.exits([r for r in others if r not in answers])
         print(_stuck_text(facts, call, seq, waited, me, mine, answers, exits), file=sys.stderr)
         sys.stderr.flush()
@@ -316,7 +323,7 @@ def _report_p2p(board: _board.Board, facts: Any, note: tuple, waited: float) -> 
         others = [ranks[p] for p in peers if 0 <= p < len(ranks) and ranks[p] != me]
         site = debugmode.call_site(sys._current_frames().get(ident))
         k = board.ask({"kind": "where", "group": ranks, "from": me})
-        answers = board.answers(k, others, max(4 * TICK, 1.5))
+        answers = board.answers(k, others, ANSWERS_WITHIN)
         exits = board.exits([r for r in others if r not in answers])
         who = ", ".join(f"rank {r}" for r in others)
         group = "" if facts.gid == "0" else f" on group {ranks}"
