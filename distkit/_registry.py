@@ -135,9 +135,9 @@ def probe() -> str:
 
 #: :func:`probe` as ``torch.compile``'s tracer calls it: run once when the tracer meets
 #: it, its answer a constant of the graph (see :func:`distkit._compat.run_at_trace_time`),
-#: once torch._dynamo is loaded. Traced line by line instead, the environment lookups
-#: of a compiled step that holds the process's first collectives cost its trace four
-#: times as long as the collectives themselves.
+#: once torch._dynamo is loaded. Traced line by line instead, at every collective, the
+#: environment lookups doubled the trace of a compiled step that holds the process's
+#: first collectives (10 CPU-s against 5 for 394 calls on this project's machine).
 probe_while_tracing = probe
 
 
