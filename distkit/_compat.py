@@ -105,6 +105,13 @@ def in_compiled_eager() -> bool:
     return _frame_hook() not in (None, False)
 
 
+def under_compile() -> bool:
+    """Whether torch.compile is tracing the caller, or its frame hook is set around it
+    (:func:`in_compiled_eager`): either way, a call that cannot trace must run through
+    :func:`disable` to keep the tracer out of its functions."""
+    return is_compiling() or in_compiled_eager()
+
+
 def after_import(name: str, callback: Callable[[], None]) -> None:
     """Run ``callback`` once module ``name`` is imported: now if it is, else right after
     its import finishes (a one-shot import hook; ``name``'s parent must be imported)."""

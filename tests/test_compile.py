@@ -548,6 +548,76 @@ def test_point_to_point_breaks_the_graph_with_a_reason_and_stays_correct():
     torch._dynamo.reset()
 
 
+def _helpers(t):
+    """The helpers made of several collectives, or that draw at run time, each after some
+    tensor code (so that ``explain`` records each break)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    t = t * 2
+    reduced = dist.all_reduce_dict({"a": t.clone(), "b": t + rank})
+    t = t + 1
+    param = t.clone()
+    dist.all_reduce_params([param, t[:2].clone()])
+    t = t + 1
+    seed = dist.sync_random_seed()
+    t = t + 1
+    collected = dist.collect_results([rank * 10 + 1, rank * 10 + 2], 2 * size)
+    t = t + 1
+    with dist.iter_results([rank, -rank], 2 * size) as stream:
+        streamed = list(stream)
+    t = t + 1
+    info = torch.tensor(collected or [-1]).sum() + torch.tensor(streamed or [-1]).sum()
+    return t + reduced["a"] + reduced["b"] + param + info, seed
+
+
+#: The helpers, each named in its own graph break's reason.
+_HELPERS = ("all_reduce_dict", "all_reduce_params", "sync_random_seed", "collect_results")
+
+
+@ranks(0, 2, timeout=COMPILE_TIMEOUT)
+def test_helpers_run_eagerly_between_graphs_with_a_reason():
+    """With a process group or without, the tracer does not step into a helper's code (it
+    printed dynamo's warnings, and a ResultStream's finalizer failed): each runs eagerly, a
+    graph break whose reason names it, with the eager result."""
+    import warnings
+
+    import torch._dynamo
+
+    rank, size = world()
+    t = torch.arange(4.0) + rank
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        explained = torch._dynamo.explain(_helpers)(t.clone())
+        (got, seed), (expected, eager_seed) = _compiled(_helpers, False)(t.clone()), _helpers(t)
+    reasons = " ".join(str(r.reason) for r in explained.break_reasons)
+    for name in _HELPERS:
+        assert f"distkit.dist.{name} " in reasons, (name, reasons)
+    assert "distkit.dist.iter_results pickles objects" in reasons, reasons
+    assert not [str(w.message) for w in caught if "dynamo" in str(w.filename)]
+    _same(got, expected)
+    # each call draws a seed (a graph would have frozen one), the same on every rank
+    assert seed != eager_seed
+    assert dist.all_gather_object((seed, eager_seed)) == [(seed, eager_seed)] * size
+    with pytest.raises(Exception, match=r"distkit\.dist\.sync_random_seed draws a new seed"):
+        _compiled(lambda x: x + dist.sync_random_seed())(t)
+    torch._dynamo.reset()
+
+
+@ranks(0, timeout=COMPILE_TIMEOUT)
+def test_object_collectives_with_no_group_trace_with_fullgraph():
+    """With no process group an object collective returns what a world of one returns,
+    traced: the check that a flat dict may skip pickling read a Python constant's type."""
+    for data in (1, "s", 0.5, {"loss": 0.5, "n": 3}, [1, 2]):
+
+        def gather(x, data=data):
+            return x + 1, dist.all_gather_object(data), dist.broadcast_object(data)
+
+        out, gathered, broadcast = _compiled(gather)(torch.zeros(2))
+        assert gathered == [data] and broadcast == data, (data, gathered, broadcast)
+        assert torch.equal(out, torch.ones(2))
+    torch._dynamo.reset()
+
+
 COLD = """
 import torch
 import distkit.dist as dist

@@ -17,8 +17,9 @@ hottest calls skip this resolution when there is nothing to resolve.
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional, TypeVar
 
 from distkit import _registry
 from distkit._compat import (
@@ -33,6 +34,7 @@ from distkit._compat import (
     is_compiling,
     is_registered,
     run_at_trace_time,
+    under_compile,
 )
 from distkit.dist.backends.gloo import GLOO
 from distkit.dist.backends.single import SINGLE
@@ -102,6 +104,47 @@ _EAGER = _comm.EAGER
 _EAGER_METHODS = tuple(spec.SPECS)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Public calls that no backend method runs and torch.compile cannot trace (helpers made
+#: of several collectives, or that draw at run time), by name: the function and why.
+_UNTRACED: dict[str, tuple[Callable[..., Any], str]] = {}
+#: Their eager runners (graph breaks that say why), built once torch._dynamo is imported.
+_EAGER_CALLS: dict[str, Callable[..., Any]] = {}
+
+
+def _build_eager_call(name: str) -> None:
+    fn, reason = _UNTRACED[name]
+    why = f"distkit.dist.{name} {reason}: it runs eagerly between graphs"
+    _EAGER_CALLS[name] = disable(fn, why)
+
+
+def untraced(name: str, reason: str) -> Callable[[F], F]:
+    """Decorate the public call ``name``, which torch.compile cannot trace: while tracing,
+    the whole call runs eagerly between two graphs, with a process group or without one
+    (a clean graph break whose reason is ``distkit.dist.<name> <reason>``), instead of
+    the tracer stepping into distkit's bookkeeping; run eagerly inside a compiled
+    function (after a graph break), the same, so that the tracer's hook does not
+    compile its functions one by one. Outside torch.compile it costs about 0.1 us (0.25 us
+    once torch._dynamo is imported)."""
+
+    def wrap(fn: F) -> F:
+        _UNTRACED[name] = (fn, reason)
+        if "torch._dynamo" in sys.modules:  # else built by _with_dynamo, on its import
+            _build_eager_call(name)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            # empty until torch._dynamo is imported: nothing can trace before then
+            if _EAGER_CALLS and under_compile():  # tracing, or eager under its hook
+                return _EAGER_CALLS[name](*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
 #: _facts_eager_impl as a graph break; the same, with no graph to break, until then
 _facts_eager: Callable[..., Any] = _facts_eager_impl
 
@@ -116,6 +159,8 @@ def _with_dynamo() -> None:
     _traced_once = run_at_trace_time(_mark_traced)
     _registry.probe_while_tracing = run_at_trace_time(_registry.probe)
     _EAGER.update({name: _eager_runner(name) for name in _EAGER_METHODS})
+    for name in _UNTRACED:
+        _build_eager_call(name)
     _facts_eager = disable(
         _facts_eager_impl,
         "distkit: a rank-list group that get_group has not created yet is created eagerly; "

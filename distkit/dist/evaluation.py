@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from distkit.dist._route import resolve
+from distkit.dist._route import resolve, untraced
 from distkit.dist.backends import stream as _stream
 from distkit.dist.backends.base import ObjectCall
 from distkit.dist.codec import policy
@@ -30,6 +30,8 @@ CHUNK_BYTES = 32 * 1024 * 1024
 #: Results a rank encodes together in one message of ``iter_results`` (a larger result
 #: travels alone): ``dst`` decodes one pack at a time.
 PACK_BYTES = 1024 * 1024
+#: Why the calls here run eagerly under torch.compile (see distkit.dist._route.untraced).
+_PICKLES = "pickles objects, which cannot be traced"
 
 
 def _ordered(parts: list[list], size: int, order: str, fn: str, comm: Comm) -> list:
@@ -193,6 +195,7 @@ def _check(
     return None
 
 
+@untraced("collect_results", _PICKLES)
 def collect_results(
     results: Sequence,
     size: int,
@@ -545,9 +548,11 @@ class ResultStream(Iterator[Any]):
     def __iter__(self) -> ResultStream:
         return self
 
+    @untraced("ResultStream.__next__", _PICKLES)
     def __next__(self) -> Any:
         return next(self._items)
 
+    @untraced("ResultStream.close", _PICKLES)
     def close(self) -> None:
         """Stop: on ``dst`` the other ranks are told to stop; elsewhere, serve ``dst`` to
         the end (which returns once ``dst`` has finished or closed its iterator)."""
@@ -565,6 +570,7 @@ class ResultStream(Iterator[Any]):
         self.close()
 
 
+@untraced("iter_results", _PICKLES)
 def iter_results(
     results: Sequence,
     size: int,

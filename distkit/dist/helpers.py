@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from distkit._compat import flatten_dense, unflatten_dense
-from distkit.dist._route import resolve
+from distkit.dist._route import resolve, untraced
 from distkit.dist.core import args as _args
 from distkit.dist.core.args import OpLike
 from distkit.dist.core.comm import Comm, GroupLike
@@ -140,6 +140,7 @@ def _same_layout(data: Mapping[Any, Tensor], keys: list[Any], comm: Comm, fn: st
     )
 
 
+@untraced("all_reduce_dict", "checks the dict's layout on every rank, then sends one message")
 def all_reduce_dict(
     data: Mapping[Any, Tensor], op: OpLike = "sum", group: GroupLike = None
 ) -> Mapping[Any, Tensor]:
@@ -199,6 +200,7 @@ def all_reduce_dict(
     return data
 
 
+@untraced("all_reduce_params", "reduces the tensors in buckets, one message each")
 def all_reduce_params(
     params: Iterable[Tensor],
     coalesce: bool = True,
@@ -272,6 +274,7 @@ def _draw_seed() -> int:
     return int(np.random.randint(2**31))
 
 
+@untraced("sync_random_seed", "draws a new seed at every call, which a graph would freeze")
 def sync_random_seed(group: GroupLike = None) -> int:
     """Draw a random seed on rank 0 and give it to every rank.
 

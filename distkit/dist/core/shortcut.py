@@ -41,8 +41,9 @@ def _test(name: str, condition: Any, bind: Callable[[Any], str]) -> str:
         return "(" + " or ".join(_test(name, c, bind) for c in condition) + ")"
     if isinstance(condition, type):
         return f"{name}.__class__ is {bind(condition)}"
-    if isinstance(condition, frozenset):
-        return f"{name}.__class__ in {bind(condition)}"
+    if isinstance(condition, frozenset):  # type(), not .__class__: torch.compile's tracer
+        # answers `1 .__class__ in {int}` wrongly (False) while tracing (torch 2.13, 2.14)
+        return f"type({name}) in {bind(condition)}"
     if callable(condition):
         return f"{bind(condition)}({name})"
     if isinstance(condition, str):  # user code's literal "sum" is this very object
