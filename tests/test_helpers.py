@@ -192,6 +192,38 @@ def test_all_reduce_dict_says_which_key_has_which_dtype_on_which_rank():
     assert same["loss"].item() == size
 
 
+@ranks(2, 3)
+def test_all_reduce_params_says_which_tensor_differs_on_which_rank():
+    """Tensors of one total size in another shape or order were flattened into one bucket
+    and added across each other silently (mmengine does the same)."""
+    rank, size = world()
+    for coalesce in (True, False):
+        # 6 + 4 numbers everywhere: rank 1 holds its two tensors in the other order
+        params = [torch.ones(2, 3), torch.ones(4)]
+        if rank == 1:
+            params.reverse()
+        with pytest.raises(ValueError) as info:
+            dist.all_reduce_params(params, coalesce=coalesce)
+        msg = str(info.value)
+        assert "the ranks passed different tensors" in msg
+        assert "params[0] has shape (2, 3) on rank" in msg and "(4,) on rank 1" in msg
+        assert "one shape on every rank" in msg and f"(on rank {rank} of {size})" in msg
+        assert "\n  rank 1: [torch.float32 (4,), torch.float32 (2, 3)]\n" in msg
+        assert all(torch.equal(p, torch.ones_like(p)) for p in params)  # untouched
+    shape = (3, 2) if rank == 1 else (2, 3)  # one size, another shape
+    with pytest.raises(ValueError, match=r"params\[0\] has shape \(2, 3\) on rank"):
+        dist.all_reduce_params([torch.ones(shape)])
+    fewer = [torch.ones(2)] * (1 if rank == size - 1 else 2)
+    with pytest.raises(ValueError, match=rf"params\[1\] is missing on rank {size - 1}\b"):
+        dist.all_reduce_params(fewer)
+    with pytest.raises(
+        ValueError, match=r"(?s)params\[0\] is torch.float32 on rank.*Give params\[0\]"
+    ):
+        dist.all_reduce_params([torch.ones(2, dtype=torch.float64 if rank == 1 else torch.float32)])
+    same = dist.all_reduce_params([torch.ones(2, 3), torch.ones(4)])  # still in step
+    assert all(torch.equal(p, torch.full_like(p, size)) for p in same)
+
+
 class Lazy(Sequence):
     """Results read on access (as from disk): reading ``bad`` fails from its read number
     ``after + 1`` on (``after=0``: every read fails)."""

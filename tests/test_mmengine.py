@@ -68,6 +68,19 @@ def test_all_reduce_dict_and_params_with_integer_means():
     assert all(same_tensor(a, b) for a, b in zip(params_ours, params_theirs))
 
 
+@ranks(2)
+def test_all_reduce_params_in_another_order_raises_where_mmengine_mixes_them():
+    rank, _ = world()
+    # 2 + 2 numbers on every rank; rank 1 holds its tensors in the other order
+    order = [torch.full((2,), 1.0), torch.full((1, 2), 10.0)]
+    theirs = order[::-1] if rank else order
+    mixed = [t.clone() for t in theirs]
+    mm.all_reduce_params(mixed)  # one bucket: rank 0's first tensor + rank 1's first
+    assert mixed[0].flatten().tolist() == [11.0, 11.0]  # not 2.0: another tensor's values
+    with pytest.raises(ValueError, match=r"params\[0\] has shape \(2,\) on rank 0"):
+        dist.all_reduce_params([t.clone() for t in theirs])
+
+
 GET_DATA_DEVICE_CASES = {
     "a tensor": lambda: torch.ones(2),
     "nested dict": lambda: {"a": torch.ones(1), "b": {"c": [torch.ones(2)]}},

@@ -6,7 +6,7 @@ import functools
 import hashlib
 import random
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -49,7 +49,36 @@ def _reduce_coalesced(tensors: list[Tensor], op: str, group: GroupLike, bucket_b
             t.detach().copy_(reduced)
 
 
-def _layout(data: Mapping[Any, Tensor], keys: list[Any]) -> list[str]:
+class _Words(NamedTuple):
+    """How the layout check words what differs: for a dict of metrics, for a list of tensors."""
+
+    name: str  # of the argument, as in data['loss'] or params[3]
+    entry: str  # what it holds one of
+    passed: str  # what the ranks passed, in the error's first line
+    missing: str  # an entry some ranks lack: {name}, {key} (its repr) and {ranks}
+    fix_missing: str
+    keyed: bool  # lists each rank's entries with their keys ({k: ...}), or in order ([...])
+
+
+_DICT = _Words(
+    "data",
+    "key",
+    "dicts with different keys, dtypes or shapes",
+    "key {key} is missing on {ranks}",
+    "Every rank must reduce the same keys (add the missing ones, e.g. as zeros)",
+    True,
+)
+_LIST = _Words(
+    "params",
+    "tensor",
+    "different tensors: their number, dtypes or shapes differ",
+    "{name}[{key}] is missing on {ranks} (they passed fewer tensors)",
+    "Every rank must pass the same tensors in the same order (e.g. the same model's parameters())",
+    False,
+)
+
+
+def _layout(data: Any, keys: Iterable[Any]) -> list[str]:
     return [f"{k!r}: {data[k].dtype} {tuple(data[k].shape)}" for k in keys]
 
 
@@ -75,9 +104,12 @@ def _promoted(names: list[str]) -> Optional[str]:
     return str(common)
 
 
-def _differences(layouts: list[list[tuple[str, str, tuple]]]) -> tuple[list[str], list[str]]:
+def _differences(
+    layouts: list[list[tuple[str, str, tuple]]], words: _Words
+) -> tuple[list[str], list[str]]:
     """What differs between the ranks' layouts (``(key repr, dtype, shape)`` per key),
     key by key, and what to do about each kind of difference."""
+    name = words.name
     per_key: dict[str, dict[int, tuple[str, tuple]]] = {}
     for rank, layout in enumerate(layouts):
         for key, dtype, shape in layout:
@@ -87,34 +119,39 @@ def _differences(layouts: list[list[tuple[str, str, tuple]]]) -> tuple[list[str]
     missing = {k: [r for r in every if r not in held] for k, held in per_key.items()}
     missing = {k: lacking for k, lacking in missing.items() if lacking}
     for key, lacking in missing.items():
-        problems.append(f"key {key} is missing on {_ranks(lacking)}")
+        problems.append(words.missing.format(key=key, name=name, ranks=_ranks(lacking)))
     if missing:
-        fixes.append("Every rank must reduce the same keys (add the missing ones, e.g. as zeros)")
+        fixes.append(words.fix_missing)
     dtypes = {k: {r: d for r, (d, _) in held.items()} for k, held in per_key.items()}
     dtypes = {k: found for k, found in dtypes.items() if len(set(found.values())) > 1}
     for key, found in dtypes.items():
-        problems.append(f"data[{key}] is {_by_value(found)}")
-        fix = f"Give data[{key}] one dtype on every rank: cast it before the call"
+        problems.append(f"{name}[{key}] is {_by_value(found)}")
+        fix = f"Give {name}[{key}] one dtype on every rank: cast it before the call"
         common = _promoted(sorted(set(found.values())))
         if common:
-            fix += f", e.g. data[{key}] = data[{key}].to({common}) (what they promote to)"
+            fix += f", e.g. {name}[{key}] = {name}[{key}].to({common}) (what they promote to)"
         fixes.append(fix)
     shapes = {k: {r: s for r, (_, s) in held.items()} for k, held in per_key.items()}
     shapes = {k: seen for k, seen in shapes.items() if len(set(seen.values())) > 1}
     for key, seen in shapes.items():
-        problems.append(f"data[{key}] has shape {_by_value(seen)}")
+        problems.append(f"{name}[{key}] has shape {_by_value(seen)}")
     if shapes:
-        fixes.append("Give each key one shape on every rank (its values add up element by element)")
+        fixes.append(
+            f"Give each {words.entry} one shape on every rank (its values add up element by "
+            "element)"
+        )
     return problems, fixes
 
 
-def _same_layout(data: Mapping[Any, Tensor], keys: list[Any], comm: Comm, fn: str) -> None:
-    """Check that every rank holds the same keys, dtypes and shapes; raise on every rank.
+def _same_layout(data: Any, keys: list[Any], comm: Comm, fn: str, words: _Words = _DICT) -> None:
+    """Check that every rank holds the same keys, dtypes and shapes (of a dict, or of a
+    list by position); raise on every rank.
 
     Different keys would otherwise line up silently (rank 0's ``b`` added to rank 1's
-    ``c``) or hang. One 16-byte all_reduce of a digest of the layout, whose maximum and
-    minimum agree only if every rank's digest does; only on a mismatch does a second
-    round gather the layouts, to say which key differs how, on which rank.
+    ``c``) or hang; so would a list's tensors of one total size, flattened into one
+    bucket. One 16-byte all_reduce of a digest of the layout, whose maximum and minimum
+    agree only if every rank's digest does; only on a mismatch does a second round
+    gather the layouts, to say which entry differs how, on which rank.
     """
     layout = _layout(data, keys)
     digest = hashlib.blake2b("\n".join(layout).encode(), digest_size=7).digest()
@@ -125,17 +162,18 @@ def _same_layout(data: Mapping[Any, Tensor], keys: list[Any], comm: Comm, fn: st
         return
     mine = [(repr(k), str(data[k].dtype), tuple(data[k].shape)) for k in keys]
     layouts = all_gather_object(mine, comm.pg)
-    problems, fixes = _differences(layouts)
-    listing = "\n".join(
-        f"  rank {r}: {{{', '.join(f'{k}: {d} {s}' for k, d, s in lay)}}}"
-        for r, lay in enumerate(layouts)
-    )
+    problems, fixes = _differences(layouts, words)
+    if words.keyed:
+        entries = [", ".join(f"{k}: {d} {s}" for k, d, s in lay) for lay in layouts]
+        listing = "\n".join(f"  rank {r}: {{{e}}}" for r, e in enumerate(entries))
+    else:
+        entries = [", ".join(f"{d} {s}" for _, d, s in lay) for lay in layouts]
+        listing = "\n".join(f"  rank {r}: [{e}]" for r, e in enumerate(entries))
     _args.fail(
         ValueError,
         fn,
         comm,
-        "the ranks passed dicts with different keys, dtypes or shapes: "
-        f"{'; '.join(problems)}\n{listing}\n",
+        f"the ranks passed {words.passed}: {'; '.join(problems)}\n{listing}\n",
         ". ".join(fixes),
     )
 
@@ -213,6 +251,11 @@ def all_reduce_params(
     Collective: every rank in ``group`` must call this with matching tensors.
     Single process: returns the tensors unchanged.
 
+    One 16-byte all_reduce first checks that every rank passed as many tensors, with the
+    same dtypes and shapes, in the same order: else every rank raises ``ValueError``
+    saying which tensor differs how on which rank (tensors of one total size would
+    otherwise be flattened into one bucket and added across each other silently).
+
     Args:
         params: Tensors or ``nn.Parameter`` s, e.g. ``model.parameters()`` (a generator
             is fine); parameters are reduced through ``.data``.
@@ -227,7 +270,8 @@ def all_reduce_params(
 
     Raises:
         TypeError: An element is not a tensor, or ``op`` does not apply to its dtype.
-        ValueError: ``op`` is not a known name.
+        ValueError: ``op`` is not a known name, or the ranks' tensors differ in number,
+            dtypes or shapes.
 
     Examples:
         >>> import torch
@@ -257,6 +301,7 @@ def all_reduce_params(
         if comm.alone:
             return tensors
         data = [t.data for t in tensors]
+        _same_layout(data, list(range(len(data))), comm, fn, _LIST)
         if coalesce:
             bucket_bytes = int(bucket_size_mb * 1024 * 1024) if bucket_size_mb > 0 else -1
             _reduce_coalesced(data, rop.name, group, bucket_bytes)
