@@ -265,6 +265,30 @@ def test_collect_results_a_result_that_cannot_be_read_stops_every_rank():
     assert dist.all_gather_object(rank) == list(range(size))
 
 
+@ranks(2, 3, timeout=20)
+def test_bad_indices_on_one_rank_raise_on_every_rank_and_leave_them_in_step():
+    """Raised on that rank alone, before the first round, the others waited in the round,
+    and paired it with that rank's next call: wrong results, no error."""
+    rank, size = world()
+    last = size - 1
+    short = f"rank {last} passed bad arguments: indices has 1 entries but results has 2"
+    floats = f"rank {last} passed bad arguments: indices[0] must be an int"
+    for bad, kind, named in (([0], ValueError, short), ([0.5, 1.0], TypeError, floats)):
+        indices = bad if rank == last else [2 * rank, 2 * rank + 1]
+        for streamed, dst in ((False, 0), (False, None), (True, 0)):
+            with pytest.raises(kind) as info:
+                if streamed:
+                    list(dist.iter_results([rank] * 2, 2 * size, dst=dst, indices=indices))
+                else:
+                    dist.collect_results([rank] * 2, 2 * size, dst=dst, indices=indices)
+            if rank != last:  # the rank and its error, within seconds
+                assert named in str(info.value), (streamed, dst, str(info.value))
+    # every rank still in step: the next calls pair up
+    got = dist.collect_results([rank] * 2, 2 * size, indices=[2 * rank, 2 * rank + 1])
+    assert got == ([r for r in range(size) for _ in range(2)] if rank == 0 else None)
+    assert dist.all_gather_object(rank) == list(range(size))
+
+
 class Point:  # a plain class: the safe serializer refuses it unless allowed
     def __init__(self, x: int) -> None:
         self.x = x

@@ -195,6 +195,36 @@ def _check(
     return None
 
 
+def _checked(
+    fn: str,
+    comm: Comm,
+    results: Any,
+    size: Any,
+    order: str,
+    indices: Optional[Sequence[int]],
+    sampler: Any,
+) -> tuple[Optional[list[int]], Optional[Exception]]:
+    """:func:`_check`'s indices, and on a group of several ranks the error it raised,
+    which this rank raises once it has told the others in the call's first round: raised
+    at once, it left them waiting in that round, to pair it with this rank's next call."""
+    try:
+        return _check(fn, comm, results, size, order, indices, sampler), None
+    except (TypeError, ValueError) as exc:
+        if comm.alone:
+            raise
+        return None, exc
+
+
+def _bare(exc: BaseException, fn: str, comm: Comm) -> str:
+    """``exc``'s message without the call's name and this rank's place in it (the others
+    say it as ``rank <r> ...``)."""
+    return str(exc).removeprefix(f"{fn}: ").replace(f" (on {_args.where(comm)})", "", 1)
+
+
+#: How the others hear of a rank's bad arguments (``rank <r> ...``).
+REFUSED = "passed bad arguments: "
+
+
 @untraced("collect_results", _PICKLES)
 def collect_results(
     results: Sequence,
@@ -243,7 +273,8 @@ def collect_results(
     Each round ends with a small status from ``dst`` (from every rank with
     ``dst=None``), so an error anywhere raises on every rank within seconds, and no rank
     goes on to its next collective with a round left behind: a rank whose result cannot
-    be read or pickled raises its own error and the others one naming it; an object the
+    be read or pickled, or whose arguments are wrong (``indices`` of another length than
+    its results, say), raises its own error and the others one naming it; an object the
     ``safe`` serializer refuses raises ``UnsafeObjectError`` on every rank, naming the
     rank that sent it.
 
@@ -298,11 +329,11 @@ def collect_results(
     fn = "collect_results"
     comm = resolve(group, fn)
     with _record.collector(fn):  # one call in a profile, its rounds inside
-        indices = _check(fn, comm, results, size, order, indices, sampler)
+        indices, refused = _checked(fn, comm, results, size, order, indices, sampler)
         if dst is not None:
             dst = _args.rank(dst, "dst", fn, comm)
         call = ObjectCall(fn, None, policy.serializer_of(serializer, fn, comm))
-        collected = _Collected(comm, call, dst, results, indices)
+        collected = _Collected(comm, call, dst, results, indices, refused)
         steps: Iterable[int] = range(1, collected.step(0))  # the first round tells the rest
         if comm.rank == (dst or 0):
             steps = track(steps, "collect_results", delay=1.0, main_only=False)
@@ -350,9 +381,11 @@ class _Collected:
         dst: Optional[int],
         results: Sequence,
         indices: Optional[list[int]],
+        refused: Optional[Exception] = None,
     ) -> None:
         self.comm, self.call, self.dst = comm, call, dst
         self.results, self.indices = results, indices
+        self.refused = refused  # this rank's bad arguments: its first round tells them
         self.receiver = dst is None or comm.rank == dst
         self.parts: list[list] = [[] for _ in range(comm.size)]
         self.index_parts: list[list] = [[] for _ in range(comm.size)]
@@ -365,10 +398,17 @@ class _Collected:
         own: Optional[BaseException] = None  # this rank's error (raised here as it is)
         found: Optional[BaseException] = None  # what this rank found wrong elsewhere
         told: Optional[_stream.Failure] = None  # what the others hear of it
+        payload: tuple
         try:
-            items = _window(results, start, stop)
-            idx = None if self.indices is None else self.indices[start:stop]
-            payload: tuple = (items, idx, len(results), None)
+            if self.refused is not None:  # the first round says so, and ends the call
+                own = self.refused
+                text = f"rank {comm.rank} {REFUSED}{_bare(own, fn, comm)}"
+                told = _stream.Failure(_args.error_code(own), text)
+                payload = ([], None, 0, (told.code, told.text))
+            else:
+                items = _window(results, start, stop)
+                idx = None if self.indices is None else self.indices[start:stop]
+                payload = (items, idx, len(results), None)
         except _stream.ReadFailed as failed:
             own = failed.error
             told = _stream.read_error(failed.position, failed.error)
@@ -677,7 +717,7 @@ def iter_results(
     fn = "iter_results"
     comm = resolve(group, fn)
     with _record.collector(fn):  # one call in a profile, its rounds inside
-        indices = _check(fn, comm, results, size, order, indices, sampler)
+        indices, refused = _checked(fn, comm, results, size, order, indices, sampler)
         dst = _args.rank(dst, "dst", fn, comm)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             _args.fail(
@@ -697,7 +737,7 @@ def iter_results(
         seq = comm.enter(fn)  # the stream's call number on the group (hang reports)
         try:
             opened = _stream.Opened(comm, fn, seq, dst)
-            return _open(opened, results, size, order, indices, chunk_bytes, call)
+            return _open(opened, results, size, order, indices, chunk_bytes, call, refused)
         finally:
             comm.leave()
 
@@ -710,6 +750,7 @@ def _plan(
     indices: Optional[list[int]],
     inline_bytes: int,
     open_to: str,
+    refused: Optional[Exception] = None,
 ) -> tuple[_stream.Plan, Optional[BaseException], list[int]]:
     """This rank's plan, the error to raise here once ``dst`` has it, and the sizes.
 
@@ -717,6 +758,9 @@ def _plan(
     """
     sizes: list[int] = []
     mine: Optional[Tensor] = None
+    if refused is not None:  # its arguments (see _checked)
+        failure = _stream.Failure(_args.error_code(refused), REFUSED + _bare(refused, fn, comm))
+        return _stream.Plan(0, None, None, failure, None), refused, []
     try:
         if open_to:
             _args.fail(
@@ -738,7 +782,7 @@ def _plan(
         failure = _stream.read_error(failed.position, failed.error)
         return _stream.Plan(len(results), None, None, failure, None), failed.error, []
     except Exception as exc:  # told as "rank <r> ...": the rank is named there
-        text = str(exc).removeprefix(f"{fn}: ").replace(f" (on {_args.where(comm)})", "", 1)
+        text = _bare(exc, fn, comm)
         if isinstance(exc, TypeError):  # a result that cannot be pickled
             text = f"could not send its results: {text}"
         else:  # the rank's own report (an index, a stream still open)
@@ -799,13 +843,14 @@ def _open(
     indices: Optional[list[int]],
     chunk_bytes: int,
     call: ObjectCall,
+    refused: Optional[Exception] = None,
 ) -> ResultStream:
     """Open a stream on a group of several ranks (see :mod:`distkit.dist.backends.stream`)."""
     comm, fn, dst = opened.comm, opened.fn, opened.dst
     rank = comm.rank
     inline_bytes = min(PACK_BYTES, chunk_bytes // comm.size) if rank != dst else 0
     open_to = _stream.open_elsewhere(comm.global_rank(dst))
-    plan, error, sizes = _plan(fn, comm, results, size, indices, inline_bytes, open_to)
+    plan, error, sizes = _plan(fn, comm, results, size, indices, inline_bytes, open_to, refused)
     plans = _stream.gather_plans(comm, plan, dst)
     if rank != dst:
         kind, stream, tag, asked = _stream.verdict(opened, error)
