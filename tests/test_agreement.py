@@ -158,6 +158,16 @@ CASES = [
     case("src is -1", "broadcast_object_list", ValueError, [1], src=-1),
     case("a lock", "broadcast_object", TypeError, LOCK),
     case("map_location is 3j", "broadcast_object", ValueError, 1, map_location=3j),
+    case(  # refused before any communication, not by the receivers once tensors arrive
+        "map_location has no device",
+        "all_gather_object",
+        None if torch.cuda.is_available() else ValueError,
+        torch.ones(1),
+        map_location="cuda",
+    ),
+    case(
+        "map_location past the devices", "broadcast_object", ValueError, 1, map_location="cuda:64"
+    ),
     case("data is None", "scatter_object_list", TypeError, None),
     sized(
         "list too long", "scatter_object_list", ValueError, lambda n: ((list(range(n + 1)),), {})

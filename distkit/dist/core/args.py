@@ -319,11 +319,13 @@ def object_list(value: Any, fn: str, comm: Where) -> list:
 
 
 def map_location(value: Any, fn: str, comm: Where) -> Optional[torch.device]:
-    """Check a ``map_location`` argument: ``None`` or anything ``torch.device`` accepts."""
+    """Check a ``map_location`` argument: ``None`` or anything ``torch.device`` accepts,
+    on a device this process has (refused here, before any communication, as in a single
+    process: else only the ranks that receive tensors would fail, once they arrive)."""
     if value is None:
         return None
     try:
-        return torch.device(value)
+        device = torch.device(value)
     except (RuntimeError, TypeError, ValueError) as exc:
         fail(
             ValueError,
@@ -332,6 +334,32 @@ def map_location(value: Any, fn: str, comm: Where) -> Optional[torch.device]:
             f"map_location must be None or a device, got {show(value)} ({exc})",
             "Pass e.g. 'cpu', 'cuda' or a torch.device",
         )
+    missing = _missing(device)
+    if missing:
+        fail(
+            ValueError,
+            fn,
+            comm,
+            f"map_location={value!r}, but {missing}",
+            "Pass a device this process has (e.g. 'cpu'), or None to keep the senders' devices",
+        )
+    return device
+
+
+def _missing(device: torch.device) -> str:
+    """Why this process has no ``device`` (``""``: it has it, or torch cannot tell)."""
+    if device.type in ("cpu", "meta"):
+        return ""
+    module = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps, ...
+    available = getattr(module, "is_available", None)
+    if not callable(available):
+        return ""  # a backend torch knows nothing of: loading decides
+    if not available():
+        return f"this process has no {device.type} device ({device.type} is not available)"
+    count = getattr(module, "device_count", None)
+    if device.index is not None and callable(count) and device.index >= count():
+        return f"this process has {count()} {device.type} device(s)"
+    return ""
 
 
 # -- reduction ops ---------------------------------------------------------------------
