@@ -243,6 +243,48 @@ def test_unpicklable_object_fails_on_every_rank():
     assert dist.all_gather_object(rank) == list(range(size))
 
 
+@ranks(2)
+def test_an_object_whose_class_the_receiver_lacks_names_the_sender_and_the_class():
+    import sys
+    import types
+
+    rank, _ = world()
+    here = types.ModuleType("only_on_rank_1")  # importable on rank 1 alone
+
+    class Only:
+        pass
+
+    Only.__module__, Only.__qualname__ = here.__name__, "Only"
+    here.Only = Only
+    if rank == 1:
+        sys.modules[here.__name__] = here
+    try:
+        if rank == 1:
+            assert isinstance(dist.all_gather_object(Only())[1], Only)
+        else:
+            with pytest.raises(ModuleNotFoundError) as info:
+                dist.all_gather_object(rank)
+            assert str(info.value).startswith(
+                "all_gather_object: rank 1 sent an object that needs only_on_rank_1.Only, "
+                "which this rank cannot import (on rank 0 of 2): No module named"
+            )
+            assert "Make only_on_rank_1 importable on every rank" in str(info.value)
+        # a name its module lacks on the receiver: its AttributeError, said the same way
+        Only.__module__ = "types"
+        if rank == 1:
+            types.Only = Only  # type: ignore[attr-defined]
+            dist.gather_object(Only(), dst=0)
+        else:
+            missing = r"rank 1 sent an object that needs types\.Only, which this rank cannot"
+            with pytest.raises(AttributeError, match=missing):
+                dist.gather_object(rank, dst=0)
+    finally:
+        sys.modules.pop(here.__name__, None)
+        if hasattr(types, "Only"):
+            del types.Only
+    assert dist.all_gather_object(rank) == [0, 1]
+
+
 @ranks(*WORLDS)
 def test_object_argument_errors():
     rank, size = world()

@@ -550,7 +550,34 @@ class _Decoder(pickle.Unpickler):
             return self._tensors
         if module == "distkit.dist.codec.builders" and name in builders.BUILDERS:
             return builders.BUILDERS[name]  # pickle trusts its peers: no checks to repeat
-        return super().find_class(module, name)
+        try:
+            return super().find_class(module, name)
+        except (AttributeError, ImportError) as exc:  # said with the sender by _rebuild
+            raise _Unloadable(module, name, exc) from exc
+
+
+class _Unloadable(Exception):
+    """A class or function the sender has and this rank cannot import."""
+
+    def __init__(self, module: str, name: str, error: Exception) -> None:
+        super().__init__(module, name, error)
+        self.module, self.name, self.error = module, name, error
+
+    def reraise(self, fn: str, sender: int, where: str) -> NoReturn:
+        """Raise :attr:`error`'s class, saying who sent what and what to do."""
+        if self.module == "__main__":
+            fix = (
+                "Define it at the top level of a module every rank imports (or of the "
+                "script, run by every rank)"
+            )
+        elif isinstance(self.error, ImportError):
+            fix = f"Make {self.module} importable on every rank (the same code everywhere)"
+        else:
+            fix = f"Run the same version of {self.module} on every rank"
+        raise type(self.error)(
+            f"{fn}: rank {sender} sent an object that needs {self.module}.{self.name}, which "
+            f"this rank cannot import{where}: {self.error}. {fix}"
+        ) from self.error
 
 
 def _target_device(sent_type: str, map_location: Optional[torch.device]) -> Optional[torch.device]:
@@ -675,6 +702,8 @@ def _rebuild(
             f"{fn}: rank {sender} sent an object that distkit cannot decode{where}: "
             f"{refused.reason}"
         ) from None
+    except _Unloadable as unloadable:
+        unloadable.reraise(fn, sender, where)
     except (pickle.UnpicklingError, EOFError) as exc:
         error = UnsafeObjectError if safe else pickle.UnpicklingError
         raise error(
