@@ -81,6 +81,34 @@ def test_all_reduce_params_in_another_order_raises_where_mmengine_mixes_them():
         dist.all_reduce_params([t.clone() for t in theirs])
 
 
+def test_the_documented_single_process_differences_hold():
+    """docs/mmengine.md's rows for a single process, against mmengine itself."""
+    results = (1, 2, 3)
+    assert mm.collect_results(results, 2) == (1, 2) and dist.collect_results(results, 2) == [1, 2]
+    assert mm.collect_results([1, 2, 3], -1) == [1, 2]
+    with pytest.raises(TypeError, match="size must be a non-negative int"):
+        dist.collect_results([1, 2, 3], -1)
+    data, out = {"a": torch.ones(1)}, {"b": torch.ones(1)}
+    assert outcome(lambda: mm.cast_data_device(data, torch.device("cpu"), out=out)) == (
+        "raises",
+        "KeyError",
+    )
+    with pytest.raises(ValueError, match=r"out lacks 'a'; data has no 'b'"):
+        dist.cast_data_device(data, torch.device("cpu"), out=out)
+    assert outcome(lambda: mm.init_local_group(0, 1)) == ("raises", "ValueError")
+    assert dist.init_local_group(0, 1) is None
+
+
+@ranks(2)
+def test_an_integer_mean_past_float32_is_exact_where_mmengine_rounds():
+    rank, _ = world()
+    start = torch.tensor([2**40 + 3 + 2 * rank])
+    theirs, ours = start.clone(), start.clone()
+    mm.all_reduce(theirs, op="mean")
+    dist.all_reduce(ours, op="mean")
+    assert theirs.item() == 2**40 and ours.item() == 2**40 + 4
+
+
 GET_DATA_DEVICE_CASES = {
     "a tensor": lambda: torch.ones(2),
     "nested dict": lambda: {"a": torch.ones(1), "b": {"c": [torch.ones(2)]}},
