@@ -168,6 +168,7 @@ CASES = [
     case(
         "map_location past the devices", "broadcast_object", ValueError, 1, map_location="cuda:64"
     ),
+    case("map_location of a plugin", "all_gather_object", ValueError, 1, map_location="xla"),
     case("data is None", "scatter_object_list", TypeError, None),
     sized(
         "list too long", "scatter_object_list", ValueError, lambda n: ((list(range(n + 1)),), {})

@@ -220,8 +220,57 @@ def test_all_reduce_params_says_which_tensor_differs_on_which_rank():
         ValueError, match=r"(?s)params\[0\] is torch.float32 on rank.*Give params\[0\]"
     ):
         dist.all_reduce_params([torch.ones(2, dtype=torch.float64 if rank == 1 else torch.float32)])
+    many = [torch.ones(i + 1) for i in range(30)]  # every shape differs on rank 1
+    with pytest.raises(ValueError) as info:
+        dist.all_reduce_params(many[::-1] if rank == 1 else many)
+    msg = str(info.value)  # the first few of each, and how many in all
+    assert "(30 differences in all)" in msg and "(30 tensors in all)" in msg
+    assert len(msg) < 3000, len(msg)
     same = dist.all_reduce_params([torch.ones(2, 3), torch.ones(4)])  # still in step
     assert all(torch.equal(p, torch.full_like(p, size)) for p in same)
+
+
+@ranks(2, 3, timeout=20)
+def test_a_bad_argument_on_one_rank_raises_on_every_rank_and_leaves_them_in_step():
+    """Raised on that rank alone, before the reduction, the others waited in it and
+    paired it with that rank's next call: another call's sums, no error."""
+    rank, size = world()
+    last = size - 1
+    cases = [
+        (
+            lambda bad: dist.all_reduce_params([torch.ones(2), "oops" if bad else torch.ones(2)]),
+            TypeError,
+            "params[1] must be a torch.Tensor",
+        ),
+        (
+            lambda bad: dist.all_reduce_params([torch.ones(2)], op="band" if bad else "sum"),
+            TypeError,
+            "op='band' needs an integer or bool params[0]",
+        ),
+        (
+            lambda bad: dist.all_reduce_dict({"a": "oops" if bad else torch.ones(1)}),
+            TypeError,
+            "data['a'] must be a torch.Tensor",
+        ),
+        (
+            lambda bad: dist.all_reduce_dict({"a": torch.ones(1)}, op="median" if bad else "sum"),
+            ValueError,
+            "median",
+        ),
+    ]
+    for call, kind, said in cases:
+        with pytest.raises(kind) as info:
+            call(rank == last)
+        msg = str(info.value)
+        assert said in msg, msg
+        if rank != last:
+            assert f"rank {last} passed bad arguments: " in msg, msg
+        assert msg.count("(on rank ") == 1 and f"(on rank {rank} of {size})" in msg, msg
+        # the next call pairs with the next call on every rank
+        assert (
+            dist.all_reduce_params([torch.full((2,), rank + 1.0)])[0].tolist()
+            == [float(sum(range(1, size + 1)))] * 2
+        )
 
 
 class Lazy(Sequence):
@@ -287,6 +336,38 @@ def test_bad_indices_on_one_rank_raise_on_every_rank_and_leave_them_in_step():
     got = dist.collect_results([rank] * 2, 2 * size, indices=[2 * rank, 2 * rank + 1])
     assert got == ([r for r in range(size) for _ in range(2)] if rank == 0 else None)
     assert dist.all_gather_object(rank) == list(range(size))
+
+
+class Broken:
+    """A sampler whose order cannot be read (it raises RuntimeError)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __iter__(self):
+        raise RuntimeError("sampler broke")
+
+    def __len__(self) -> int:
+        return 2
+
+
+@ranks(2, 3, timeout=20)
+def test_a_failing_sampler_or_indices_on_some_ranks_only_raise_on_every_rank():
+    rank, size = world()
+    last = size - 1
+    for dst in (0, None):
+        sampler = Broken() if rank == last else None
+        with pytest.raises(RuntimeError) as info:
+            dist.collect_results([rank] * 2, 2 * size, dst=dst, sampler=sampler)
+        assert "sampler broke" in str(info.value)  # on the last rank: its own error
+        assert str(info.value).count("(on rank ") == (rank != last), str(info.value)
+        # indices on the last rank only: every rank raises (dst did, the others went on)
+        indices = [2 * rank, 2 * rank + 1] if rank == last else None
+        with pytest.raises(ValueError, match="disagree: one passed indices") as info:
+            dist.collect_results([rank] * 2, 2 * size, dst=dst, indices=indices)
+        assert str(info.value).count("(on rank ") == 1, str(info.value)
+    got = dist.collect_results([rank] * 2, 2 * size, dst=None)
+    assert got == [r for _ in range(2) for r in range(size)]
 
 
 class Point:  # a plain class: the safe serializer refuses it unless allowed

@@ -209,20 +209,10 @@ def _checked(
     at once, it left them waiting in that round, to pair it with this rank's next call."""
     try:
         return _check(fn, comm, results, size, order, indices, sampler), None
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # a sampler or a results sequence may raise anything
         if comm.alone:
             raise
         return None, exc
-
-
-def _bare(exc: BaseException, fn: str, comm: Comm) -> str:
-    """``exc``'s message without the call's name and this rank's place in it (the others
-    say it as ``rank <r> ...``)."""
-    return str(exc).removeprefix(f"{fn}: ").replace(f" (on {_args.where(comm)})", "", 1)
-
-
-#: How the others hear of a rank's bad arguments (``rank <r> ...``).
-REFUSED = "passed bad arguments: "
 
 
 @untraced("collect_results", _PICKLES)
@@ -305,7 +295,7 @@ def collect_results(
             pickled (every rank raises).
         ValueError: Fewer than ``size`` results arrived, an index is out of range or
             missing, some ranks passed ``indices`` (or ``sampler``) and others did not
-            (on ``dst``; every rank with ``dst=None``), ``order`` is unknown, ``indices``
+            (every rank raises), ``order`` is unknown, ``indices``
             (or the sampler's) has the wrong length, or both ``indices`` and ``sampler``
             were given.
         UnsafeObjectError: ``serializer="safe"`` refused what a rank sent (every rank
@@ -341,10 +331,6 @@ def collect_results(
             collected.step(step)
         if not collected.receiver:
             return None
-        mixed = [r for r, p in enumerate(collected.passed) if p != (indices is not None)]
-        if mixed:
-            who = f"dst (rank {comm.rank})" if dst is not None else f"rank {comm.rank}"
-            raise _mixed(fn, comm, mixed[0], who)
         if indices is not None:
             return _by_index(collected.parts, collected.index_parts, size, fn, comm)
         return _ordered(collected.parts, size, order, fn, comm)
@@ -389,7 +375,6 @@ class _Collected:
         self.receiver = dst is None or comm.rank == dst
         self.parts: list[list] = [[] for _ in range(comm.size)]
         self.index_parts: list[list] = [[] for _ in range(comm.size)]
-        self.passed: list[bool] = []  # which ranks passed indices (from the first round)
 
     def step(self, step: int) -> int:
         """Run round ``step``; the number of rounds in all."""
@@ -402,7 +387,7 @@ class _Collected:
         try:
             if self.refused is not None:  # the first round says so, and ends the call
                 own = self.refused
-                text = f"rank {comm.rank} {REFUSED}{_bare(own, fn, comm)}"
+                text = f"rank {comm.rank} {_args.REFUSED}{_args.bare(own, fn, comm)}"
                 told = _stream.Failure(_args.error_code(own), text)
                 payload = ([], None, 0, (told.code, told.text))
             else:
@@ -448,8 +433,12 @@ class _Collected:
             if failure is not None and r != comm.rank:
                 code, text = failure
                 _stream.Failure(code, text).raise_as(fn, comm, text)
-        if step == 0:
-            self.passed = [idx is not None for _, idx, _, _ in gathered]
+        if step == 0:  # indices on some ranks only: every rank hears it from this round
+            passed = [idx is not None for _, idx, _, _ in gathered]
+            mixed = [r for r, p in enumerate(passed) if p != (self.indices is not None)]
+            if mixed:
+                who = f"dst (rank {comm.rank})" if self.dst is not None else f"rank {comm.rank}"
+                raise _mixed(fn, comm, mixed[0], who)
         for r, (res, idx, _, _) in enumerate(gathered):
             self.parts[r].extend(res)
             if idx is not None:
@@ -759,7 +748,9 @@ def _plan(
     sizes: list[int] = []
     mine: Optional[Tensor] = None
     if refused is not None:  # its arguments (see _checked)
-        failure = _stream.Failure(_args.error_code(refused), REFUSED + _bare(refused, fn, comm))
+        failure = _stream.Failure(
+            _args.error_code(refused), _args.REFUSED + _args.bare(refused, fn, comm)
+        )
         return _stream.Plan(0, None, None, failure, None), refused, []
     try:
         if open_to:
@@ -782,7 +773,7 @@ def _plan(
         failure = _stream.read_error(failed.position, failed.error)
         return _stream.Plan(len(results), None, None, failure, None), failed.error, []
     except Exception as exc:  # told as "rank <r> ...": the rank is named there
-        text = _bare(exc, fn, comm)
+        text = _args.bare(exc, fn, comm)
         if isinstance(exc, TypeError):  # a result that cannot be pickled
             text = f"could not send its results: {text}"
         else:  # the rank's own report (an index, a stream still open)

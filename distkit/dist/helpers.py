@@ -143,7 +143,24 @@ def _differences(
     return problems, fixes
 
 
-def _same_layout(data: Any, keys: list[Any], comm: Comm, fn: str, words: _Words = _DICT) -> None:
+#: Entries of each rank's layout, and differences, an error lists (then how many in all).
+_SHOWN = 8
+
+
+def _listed(items: list[str], what: str) -> list[str]:
+    if len(items) <= _SHOWN:
+        return items
+    return [*items[:_SHOWN], f"... ({len(items)} {what} in all)"]
+
+
+def _same_layout(
+    data: Any,
+    keys: list[Any],
+    comm: Comm,
+    fn: str,
+    words: _Words = _DICT,
+    refused: Optional[Exception] = None,
+) -> None:
     """Check that every rank holds the same keys, dtypes and shapes (of a dict, or of a
     list by position); raise on every rank.
 
@@ -152,28 +169,49 @@ def _same_layout(data: Any, keys: list[Any], comm: Comm, fn: str, words: _Words 
     bucket. One 16-byte all_reduce of a digest of the layout, whose maximum and minimum
     agree only if every rank's digest does; only on a mismatch does a second round
     gather the layouts, to say which entry differs how, on which rank.
+
+    ``refused`` is this rank's own argument error (a value that is no tensor, an op its
+    dtype refuses): this rank raises it, and every other rank one of its class naming
+    this rank, instead of waiting in the reduction for this rank's next call.
     """
-    layout = _layout(data, keys)
-    digest = hashlib.blake2b("\n".join(layout).encode(), digest_size=7).digest()
-    value = int.from_bytes(digest, "little")
+    if refused is None:
+        layout = _layout(data, keys)
+        digest = hashlib.blake2b("\n".join(layout).encode(), digest_size=7).digest()
+        value = int.from_bytes(digest, "little")
+        mine: Any = [(repr(k), str(data[k].dtype), tuple(data[k].shape)) for k in keys]
+    else:  # past any digest: no other rank's check can agree
+        value = -(2**62)
+        mine = (_args.error_code(refused), _args.bare(refused, fn, comm))
     check = torch.tensor([value, -value], dtype=torch.int64, device="cpu")
     all_reduce(check, "max", comm.pg)
-    if check.tolist() == [value, -value]:
-        return
-    mine = [(repr(k), str(data[k].dtype), tuple(data[k].shape)) for k in keys]
+    if refused is None and check.tolist() == [value, -value]:
+        return  # (ranks that all refused their arguments agree too: they go on)
     layouts = all_gather_object(mine, comm.pg)
+    if refused is not None:
+        raise refused
+    for r, got in enumerate(layouts):
+        if isinstance(got, tuple):  # its arguments: said as they are
+            code, text = got
+            _args.fail(
+                _args.REMOTE_ERRORS[code], fn, comm, f"rank {r} passed bad arguments: {text}"
+            )
     problems, fixes = _differences(layouts, words)
     if words.keyed:
-        entries = [", ".join(f"{k}: {d} {s}" for k, d, s in lay) for lay in layouts]
-        listing = "\n".join(f"  rank {r}: {{{e}}}" for r, e in enumerate(entries))
+        entries = [[f"{k}: {d} {s}" for k, d, s in lay] for lay in layouts]
+        listing = "\n".join(
+            f"  rank {r}: {{{', '.join(_listed(e, 'keys'))}}}" for r, e in enumerate(entries)
+        )
     else:
-        entries = [", ".join(f"{d} {s}" for _, d, s in lay) for lay in layouts]
-        listing = "\n".join(f"  rank {r}: [{e}]" for r, e in enumerate(entries))
+        entries = [[f"{d} {s}" for _, d, s in lay] for lay in layouts]
+        listing = "\n".join(
+            f"  rank {r}: [{', '.join(_listed(e, 'tensors'))}]" for r, e in enumerate(entries)
+        )
     _args.fail(
         ValueError,
         fn,
         comm,
-        f"the ranks passed {words.passed}: {'; '.join(problems)}\n{listing}\n",
+        f"the ranks passed {words.passed}: {'; '.join(_listed(problems, 'differences'))}\n"
+        f"{listing}\n",
         ". ".join(fixes),
     )
 
@@ -222,13 +260,25 @@ def all_reduce_dict(
     """
     fn = "all_reduce_dict"
     comm = resolve(group, fn)
-    if not isinstance(data, Mapping):
-        _args.fail(TypeError, fn, comm, f"data must be a dict of tensors, got {_args.show(data)}")
-    rop = _args.op_of(op, fn, comm)
-    keys = sorted(data, key=str)
-    for k in keys:
-        _args.tensor(data[k], f"data[{k!r}]", fn, comm)
-        _args.check_dtype(rop, data[k], f"data[{k!r}]", fn, comm)
+
+    def checked() -> tuple[_args.Op, list[Any]]:
+        if not isinstance(data, Mapping):
+            _args.fail(
+                TypeError, fn, comm, f"data must be a dict of tensors, got {_args.show(data)}"
+            )
+        rop = _args.op_of(op, fn, comm)
+        keys = sorted(data, key=str)
+        for k in keys:
+            _args.tensor(data[k], f"data[{k!r}]", fn, comm)
+            _args.check_dtype(rop, data[k], f"data[{k!r}]", fn, comm)
+        return rop, keys
+
+    try:
+        rop, keys = checked()
+    except (TypeError, ValueError) as refused:  # on a group: said to every rank first
+        if comm.alone:
+            raise
+        _same_layout(None, [], comm, fn, _DICT, refused)
     with _record.collector(fn, data.values()):  # one call in a profile
         if comm.alone:
             return data
@@ -283,20 +333,30 @@ def all_reduce_params(
     """
     fn = "all_reduce_params"
     comm = resolve(group, fn)
-    rop = _args.op_of(op, fn, comm)
-    _args.flag(coalesce, "coalesce", fn, comm)
-    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
-        _args.fail(
-            TypeError,
-            fn,
-            comm,
-            f"bucket_size_mb must be a number, got {_args.show(bucket_size_mb)}",
-            "Pass a size in MiB, or -1 for one bucket per dtype",
-        )
     tensors = list(params)
-    for i, t in enumerate(tensors):
-        _args.tensor(t, f"params[{i}]", fn, comm)
-        _args.check_dtype(rop, t, f"params[{i}]", fn, comm)
+
+    def checked() -> _args.Op:
+        rop = _args.op_of(op, fn, comm)
+        _args.flag(coalesce, "coalesce", fn, comm)
+        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
+            _args.fail(
+                TypeError,
+                fn,
+                comm,
+                f"bucket_size_mb must be a number, got {_args.show(bucket_size_mb)}",
+                "Pass a size in MiB, or -1 for one bucket per dtype",
+            )
+        for i, t in enumerate(tensors):
+            _args.tensor(t, f"params[{i}]", fn, comm)
+            _args.check_dtype(rop, t, f"params[{i}]", fn, comm)
+        return rop
+
+    try:
+        rop = checked()
+    except (TypeError, ValueError) as refused:  # on a group: said to every rank first
+        if comm.alone:
+            raise
+        _same_layout(None, [], comm, fn, _LIST, refused)
     with _record.collector(fn, tensors):  # one call in a profile
         if comm.alone:
             return tensors

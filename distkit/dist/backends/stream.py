@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import weakref
 from collections.abc import Generator, Iterator, Sequence
@@ -81,6 +82,10 @@ LOOK_EVERY = 0.25
 # -- errors that reach every rank --------------------------------------------------
 
 
+#: Where an error says it was raised: `` (on rank r of n)``.
+_WHERE = re.compile(r" \(on rank \d+ of \d+\)")
+
+
 class Failure(NamedTuple):
     """An error, as another rank raises it: the class (a code), and what to say."""
 
@@ -91,7 +96,8 @@ class Failure(NamedTuple):
 
     @classmethod
     def of(cls, exc: BaseException, fn: str) -> Failure:
-        text = str(exc).removeprefix(f"{fn}: ")
+        # without the rank it was raised on: the rank that raises it again says its own
+        text = _WHERE.sub("", str(exc).removeprefix(f"{fn}: "), count=1)
         if isinstance(exc, UnsafeObjectError):
             return cls(UNSAFE, text, exc.rank, exc.global_name)
         if isinstance(exc, CollectiveTimeoutError):

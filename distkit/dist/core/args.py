@@ -68,6 +68,16 @@ def fail(exc: type[Exception], fn: str, comm: Where, what: str, fix: str = "") -
 REMOTE_ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, RuntimeError)
 
 
+#: How the other ranks hear of one rank's argument error: ``rank <r> passed bad arguments:``.
+REFUSED = "passed bad arguments: "
+
+
+def bare(exc: BaseException, fn: str, comm: Where) -> str:
+    """``exc``'s message without the call's name and this rank's place (as another rank
+    says it, ``rank <r> ...``)."""
+    return str(exc).removeprefix(f"{fn}: ").replace(f" (on {where(comm)})", "", 1)
+
+
 def error_code(exc: BaseException) -> int:
     """The index in :data:`REMOTE_ERRORS` of the type ``exc`` is passed on as."""
     for i, kind in enumerate(REMOTE_ERRORS):
@@ -350,10 +360,11 @@ def _missing(device: torch.device) -> str:
     """Why this process has no ``device`` (``""``: it has it, or torch cannot tell)."""
     if device.type in ("cpu", "meta"):
         return ""
-    module = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps, ...
+    # torch.cuda, torch.xpu, torch.mps, and the modules device plugins add (torch.npu)
+    module = getattr(torch, device.type, None)
     available = getattr(module, "is_available", None)
-    if not callable(available):
-        return ""  # a backend torch knows nothing of: loading decides
+    if not callable(available):  # torch.xla, torch.hpu, ... without their plugin
+        return f"this process has no {device.type} device (no torch.{device.type} module)"
     if not available():
         return f"this process has no {device.type} device ({device.type} is not available)"
     count = getattr(module, "device_count", None)
