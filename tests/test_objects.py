@@ -285,6 +285,52 @@ def test_an_object_whose_class_the_receiver_lacks_names_the_sender_and_the_class
     assert dist.all_gather_object(rank) == [0, 1]
 
 
+@ranks(2, 3, timeout=30)
+def test_a_bad_map_location_on_one_rank_raises_where_it_is_heard_and_keeps_them_in_step():
+    """Refused on that rank alone before the call, the others waited in it and paired it
+    with that rank's next call: another call's objects, no error. That rank now takes
+    its part in the call (sending what is wrong where it sends), then raises."""
+    rank, size = world()
+    last = size - 1
+    t = torch.full((1,), float(rank))
+    every, nobody = set(range(size)), {last}
+    cases = {  # the call, and which ranks raise: the last one, and those it sends to
+        "all_gather_object": (lambda loc: dist.all_gather_object(t, map_location=loc), every),
+        "all_to_all_object": (
+            lambda loc: dist.all_to_all_object([t] * size, map_location=loc),
+            every,
+        ),
+        "gather_object to 0": (lambda loc: dist.gather_object(t, 0, map_location=loc), {0, last}),
+        "gather_object to it": (lambda loc: dist.gather_object(t, last, map_location=loc), nobody),
+        "broadcast_object from it": (
+            lambda loc: dist.broadcast_object(t, src=last, map_location=loc),
+            every,
+        ),
+        "broadcast_object from 0": (
+            lambda loc: dist.broadcast_object(t, src=0, map_location=loc),
+            nobody,
+        ),
+        "scatter_object_list from it": (
+            lambda loc: dist.scatter_object_list(
+                [t] * size if rank == last else None, src=last, map_location=loc
+            ),
+            every,
+        ),
+    }
+    for name, (call, raising) in cases.items():
+        loc = "xla" if rank == last else None  # no torch.xla here: refused
+        if rank in raising:
+            with pytest.raises(ValueError) as info:
+                call(loc)
+            said = "map_location='xla', but this process has no xla device"
+            if rank != last:
+                said = f"rank {last} passed bad arguments: {said}"
+            assert said in str(info.value), (name, str(info.value))
+        else:
+            call(loc)
+        assert dist.all_gather_object(rank) == list(range(size)), name  # still in step
+
+
 @ranks(*WORLDS)
 def test_object_argument_errors():
     rank, size = world()

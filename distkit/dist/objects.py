@@ -24,7 +24,7 @@ from typing import Any, Optional
 from torch import Tensor
 
 from distkit.dist._route import resolve
-from distkit.dist.backends.base import ObjectCall
+from distkit.dist.backends.base import ObjectCall, Refused
 from distkit.dist.codec import pickling as _pickling
 from distkit.dist.codec import policy
 from distkit.dist.core import args as _args
@@ -34,9 +34,16 @@ from distkit.dist.core.shortcut import shortcut
 
 
 def _call(fn: str, comm: Comm, map_location: Any, serializer_name: Optional[str]) -> ObjectCall:
-    """Check the options every object collective takes."""
-    device = _args.map_location(map_location, fn, comm)
-    return ObjectCall(fn, device, policy.serializer_of(serializer_name, fn, comm))
+    """Check the options every object collective takes (on a group, an error goes to the
+    other ranks through the call before this rank raises it: see ``Refused``)."""
+    try:
+        device = _args.map_location(map_location, fn, comm)
+        return ObjectCall(fn, device, policy.serializer_of(serializer_name, fn, comm))
+    except (TypeError, ValueError) as exc:
+        if comm.alone:
+            raise
+        told = Refused(exc, _args.REFUSED + _args.bare(exc, fn, comm))
+        return ObjectCall(fn, None, policy.serializer_of(None, fn, comm), told)
 
 
 _ATOMS = _pickling.ATOMS

@@ -38,12 +38,24 @@ BROADCAST_BYTES = 256 * 1024
 Result = Union[T, Handle[T]]
 
 
+class Refused(Exception):
+    """This rank's own argument error (its ``map_location``, its ``serializer``) on a
+    group of several ranks: it takes its part in the call, sending the others ``told``
+    where it sends anything, then raises :attr:`error`. Raised at once, it would leave
+    them waiting in the call, to pair it with this rank's next one."""
+
+    def __init__(self, error: Exception, told: str) -> None:
+        super().__init__(told)
+        self.error = error
+
+
 class ObjectCall(NamedTuple):
     """How an object collective reports errors and decodes what it receives."""
 
     fn: str  # the public name, for messages
     map_location: Optional[torch.device]
     serializer: str  # "pickle" or "safe"
+    refused: Optional[Refused] = None  # this rank's bad arguments (see Refused)
 
 
 class Backend(abc.ABC):

@@ -29,7 +29,7 @@ import torch.distributed as td
 from torch import Tensor
 
 from distkit._compat import all_gather_single
-from distkit.dist.backends.base import BROADCAST_BYTES, Backend, ObjectCall
+from distkit.dist.backends.base import BROADCAST_BYTES, Backend, ObjectCall, Refused
 from distkit.dist.codec import pickling as _pickling
 from distkit.dist.codec import wire as _wire
 from distkit.dist.codec.wire import Encoded
@@ -84,11 +84,13 @@ class _Head(NamedTuple):
 
 
 def _encode(
-    comm: Comm, obj: Any, name: str, fn: str, dev: Optional[_Channel]
+    comm: Comm, obj: Any, name: str, call: ObjectCall, dev: Optional[_Channel]
 ) -> tuple[Optional[Encoded], Optional[Exception]]:
     """``(Encoded, None)``, or ``(None, the error to raise after telling the others)``."""
+    if call.refused is not None:
+        return None, call.refused
     try:
-        return _wire.encode(obj, name, fn, comm, dev.device if dev else None), None
+        return _wire.encode(obj, name, call.fn, comm, dev.device if dev else None), None
     except Exception as exc:  # whatever breaks, the other ranks must hear of it
         return None, exc
 
@@ -103,7 +105,7 @@ def _slot(
     raw = bytearray(SLOT_BYTES)
     if error is not None:
         message = str(error).encode()[:INLINE_BYTES]
-        head = (FAILED + _args.error_code(error), len(message), 0)
+        head = (FAILED + _args.error_code(_own(error)), len(message), 0)
         raw[SLOT_HEAD : SLOT_HEAD + len(message)] = message
     elif enc is not None:
         n = enc.cpu.numel()
@@ -134,13 +136,24 @@ def _raise_failures(
     own: Optional[Exception],
 ) -> None:
     if own is not None:
-        raise own
+        raise _own(own)
     for r, head in sorted(heads.items()):
         if head.status >= FAILED:
             text = bytes(_inline(host[r], head.cpu_bytes).tolist()).decode(errors="replace")
-            _args.remote_failure(
-                head.status - FAILED, fn, comm, f"rank {r} could not send its object: {text}"
-            )
+            if not text.startswith(_args.REFUSED):
+                text = f"could not send its object: {text}"
+            _args.remote_failure(head.status - FAILED, fn, comm, f"rank {r} {text}")
+
+
+def _refused(call: ObjectCall, head: _Head) -> Optional[Exception]:
+    """This rank's own argument error to raise at once, where nothing follows the slot
+    from ``head``'s sender (it failed too; else this rank receives the rest first)."""
+    return call.refused if head.status >= FAILED else None
+
+
+def _own(error: Exception) -> Exception:
+    """The error this rank raises (its own arguments' as they are)."""
+    return error.error if isinstance(error, Refused) else error
 
 
 def _inline(host_row: Tensor, n: int) -> Tensor:
@@ -220,9 +233,12 @@ def _received(
 
 
 def _encode_each(
-    comm: Comm, items: list[Any], fn: str, dev: Optional[_Channel]
+    comm: Comm, items: list[Any], call: ObjectCall, dev: Optional[_Channel]
 ) -> tuple[list[Optional[Encoded]], Optional[Exception]]:
     """Encode ``items[r]`` for every other rank r; this rank's own item is only checked."""
+    if call.refused is not None:
+        return [None] * comm.size, call.refused
+    fn = call.fn
     encs: list[Optional[Encoded]] = []
     for r, item in enumerate(items):
         try:
@@ -262,7 +278,7 @@ class TorchObjects(Backend):
     @watched
     def all_gather_object(self, comm: Comm, data: Any, call: ObjectCall) -> list[Any]:
         cpu, dev = _channels(comm)
-        enc, error = _encode(comm, data, "data", call.fn, dev)
+        enc, error = _encode(comm, data, "data", call, dev)
         slots = torch.empty(comm.size * SLOT_BYTES, dtype=torch.uint8, device=cpu.device)
         all_gather_single(slots, _slot(enc, error, cpu), group=cpu.pg)
         host, heads = _heads(slots)
@@ -283,10 +299,10 @@ class TorchObjects(Backend):
         cpu, dev = _channels(comm)
         rank, dst_global = comm.rank, comm.global_rank(dst)
         if rank != dst:
-            enc, error = _encode(comm, data, "data", call.fn, dev)
+            enc, error = _encode(comm, data, "data", call, dev)
             td.gather(_slot(enc, error, cpu), None, dst=dst_global, group=cpu.pg)
             if error is not None:
-                raise error
+                raise _own(error)
             assert enc is not None
             if enc.cpu.numel() > INLINE_BYTES:
                 _send_recv(cpu, {dst: enc.cpu}, {})
@@ -294,11 +310,11 @@ class TorchObjects(Backend):
                 _send_recv(dev, {dst: enc.dev}, {})
             return None
 
-        own: Optional[Exception] = None
+        own: Optional[Exception] = call.refused
         try:
             _pickling.check(data, "data", call.fn, comm)
         except TypeError as exc:
-            own = exc
+            own = own or exc
         slots = [
             torch.empty(SLOT_BYTES, dtype=torch.uint8, device=cpu.device) for _ in range(comm.size)
         ]
@@ -321,12 +337,12 @@ class TorchObjects(Backend):
     def broadcast_object(self, comm: Comm, obj: Any, src: int, name: str, call: ObjectCall) -> Any:
         cpu, dev = _channels(comm)
         rank, src_global = comm.rank, comm.global_rank(src)
-        enc, error = _encode(comm, obj, name, call.fn, dev) if rank == src else (None, None)
+        enc, error = _encode(comm, obj, name, call, dev) if rank == src else (None, None)
         slot = _slot(enc, error, cpu)
         td.broadcast(slot, src_global, group=cpu.pg)
         if rank == src:
             if error is not None:
-                raise error
+                raise _own(error)
             assert enc is not None
             if enc.cpu.numel() > INLINE_BYTES:
                 td.broadcast(enc.cpu.to(cpu.device), src_global, group=cpu.pg)
@@ -335,7 +351,7 @@ class TorchObjects(Backend):
             return obj
         host, heads = _heads(slot)
         head = heads[0]
-        _raise_failures(call.fn, comm, {src: head}, {src: host[0]}, None)
+        _raise_failures(call.fn, comm, {src: head}, {src: host[0]}, _refused(call, head))
         if head.status == OVERFLOW:
             part = torch.empty(head.cpu_bytes, dtype=torch.uint8, device=cpu.device)
             td.broadcast(part, src_global, group=cpu.pg)
@@ -345,6 +361,8 @@ class TorchObjects(Backend):
         if head.dev_bytes and dev is not None:
             dev_part = torch.empty(head.dev_bytes, dtype=torch.uint8, device=dev.device)
             td.broadcast(dev_part, src_global, group=dev.pg)
+        if call.refused is not None:  # received, so the group stays in step: now raise
+            raise call.refused.error
         return _decode(comm, call, src, part, dev_part)
 
     @watched
@@ -363,7 +381,7 @@ class TorchObjects(Backend):
             td.scatter(mine, None, src=src_global, group=cpu.pg)
             host, heads = _heads(mine)
             head = heads[0]
-            _raise_failures(call.fn, comm, {src: head}, {src: host[0]}, None)
+            _raise_failures(call.fn, comm, {src: head}, {src: host[0]}, _refused(call, head))
             if head.status == OVERFLOW:
                 part = _send_recv(cpu, {}, {src: head.cpu_bytes})[src]
             else:
@@ -371,16 +389,18 @@ class TorchObjects(Backend):
             dev_part = None
             if head.dev_bytes and dev is not None:
                 dev_part = _send_recv(dev, {}, {src: head.dev_bytes})[src]
+            if call.refused is not None:  # received, so the group stays in step
+                raise call.refused.error
             return _decode(comm, call, src, part, dev_part)
 
         if error is None:
             assert data is not None  # checked on src
-            encs, error = _encode_each(comm, data, call.fn, dev)
+            encs, error = _encode_each(comm, data, call, dev)
         else:  # src's own arguments were bad: say so to every rank, then raise
             encs = [None] * comm.size
         td.scatter(mine, [_slot(e, error, cpu) for e in encs], src=src_global, group=cpu.pg)
         if error is not None:
-            raise error
+            raise _own(error)
         sent = [(r, e) for r, e in enumerate(encs) if e is not None]
         _send_recv(cpu, {r: e.cpu for r, e in sent if e.cpu.numel() > INLINE_BYTES}, {})
         if dev is not None:
@@ -392,7 +412,7 @@ class TorchObjects(Backend):
     def all_to_all_object(self, comm: Comm, data: list[Any], call: ObjectCall) -> list[Any]:
         cpu, dev = _channels(comm)
         rank, size = comm.rank, comm.size
-        encs, error = _encode_each(comm, data, call.fn, dev)
+        encs, error = _encode_each(comm, data, call, dev)
         # Each slot also carries two flags of its sender: "I send an overflow to someone"
         # and "I send device bytes to someone". Every rank gets a slot from every rank, so
         # all agree on whether rounds 2 and 3 happen without a round of their own.
