@@ -332,6 +332,11 @@ def test_bad_indices_on_one_rank_raise_on_every_rank_and_leave_them_in_step():
                     dist.collect_results([rank] * 2, 2 * size, dst=dst, indices=indices)
             if rank != last:  # the rank and its error, within seconds
                 assert named in str(info.value), (streamed, dst, str(info.value))
+    bad = rank == last  # a serializer, a chunk size: the same, for both collectors
+    with pytest.raises(ValueError, match=f"rank {last} passed bad arguments: serializer|json"):
+        dist.collect_results([rank] * 2, 2 * size, serializer="json" if bad else None)
+    with pytest.raises(TypeError, match=f"rank {last} passed bad arguments: chunk_bytes|got int 0"):
+        list(dist.iter_results([rank] * 2, 2 * size, chunk_bytes=0 if bad else 1024))
     # every rank still in step: the next calls pair up
     got = dist.collect_results([rank] * 2, 2 * size, indices=[2 * rank, 2 * rank + 1])
     assert got == ([r for r in range(size) for _ in range(2)] if rank == 0 else None)

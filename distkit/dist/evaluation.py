@@ -6,7 +6,7 @@ import operator
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from itertools import chain, zip_longest
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -195,6 +195,15 @@ def _check(
     return None
 
 
+class _Checked(NamedTuple):
+    """The arguments both collectors check before any communication, checked."""
+
+    indices: Optional[list[int]]
+    serializer: str
+    chunk_bytes: int
+    refused: Optional[Exception]  # on a group: this rank's error, raised after telling
+
+
 def _checked(
     fn: str,
     comm: Comm,
@@ -203,16 +212,27 @@ def _checked(
     order: str,
     indices: Optional[Sequence[int]],
     sampler: Any,
-) -> tuple[Optional[list[int]], Optional[Exception]]:
-    """:func:`_check`'s indices, and on a group of several ranks the error it raised,
-    which this rank raises once it has told the others in the call's first round: raised
-    at once, it left them waiting in that round, to pair it with this rank's next call."""
+    serializer: Optional[str],
+    chunk_bytes: Any = CHUNK_BYTES,
+) -> _Checked:
+    """:func:`_check`, the serializer and ``chunk_bytes``; on a group of several ranks an
+    error they raise is kept, for this rank to raise once it has told the others in the
+    call's first round: raised at once, it left them waiting in that round, to pair it
+    with this rank's next call (defaults stand in for the arguments meanwhile)."""
     try:
-        return _check(fn, comm, results, size, order, indices, sampler), None
+        checked = _check(fn, comm, results, size, order, indices, sampler)
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            _args.fail(
+                TypeError,
+                fn,
+                comm,
+                f"chunk_bytes must be a positive int, got {_args.show(chunk_bytes)}",
+            )
+        return _Checked(checked, policy.serializer_of(serializer, fn, comm), chunk_bytes, None)
     except Exception as exc:  # a sampler or a results sequence may raise anything
         if comm.alone:
             raise
-        return None, exc
+        return _Checked(None, policy.serializer_of(None, fn, comm), CHUNK_BYTES, exc)
 
 
 @untraced("collect_results", _PICKLES)
@@ -319,10 +339,12 @@ def collect_results(
     fn = "collect_results"
     comm = resolve(group, fn)
     with _record.collector(fn):  # one call in a profile, its rounds inside
-        indices, refused = _checked(fn, comm, results, size, order, indices, sampler)
+        indices, name, _, refused = _checked(
+            fn, comm, results, size, order, indices, sampler, serializer
+        )
         if dst is not None:
             dst = _args.rank(dst, "dst", fn, comm)
-        call = ObjectCall(fn, None, policy.serializer_of(serializer, fn, comm))
+        call = ObjectCall(fn, None, name)
         collected = _Collected(comm, call, dst, results, indices, refused)
         steps: Iterable[int] = range(1, collected.step(0))  # the first round tells the rest
         if comm.rank == (dst or 0):
@@ -706,16 +728,11 @@ def iter_results(
     fn = "iter_results"
     comm = resolve(group, fn)
     with _record.collector(fn):  # one call in a profile, its rounds inside
-        indices, refused = _checked(fn, comm, results, size, order, indices, sampler)
+        indices, name, chunk_bytes, refused = _checked(
+            fn, comm, results, size, order, indices, sampler, serializer, chunk_bytes
+        )
         dst = _args.rank(dst, "dst", fn, comm)
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            _args.fail(
-                TypeError,
-                fn,
-                comm,
-                f"chunk_bytes must be a positive int, got {_args.show(chunk_bytes)}",
-            )
-        call = ObjectCall(fn, None, policy.serializer_of(serializer, fn, comm))
+        call = ObjectCall(fn, None, name)
         if comm.alone:
             plan, error, _ = _plan(fn, comm, results, size, indices, 0, "")
             if error is not None:
