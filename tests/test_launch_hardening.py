@@ -226,7 +226,9 @@ def test_the_others_are_stopped_a_few_seconds_after_a_failure(failing, tmp_path)
     code, _, err = finish(launch_cli(tmp_path, mark, source, "-n", "2"))
     took = time.time() - float(stamp.read_text())
     assert code == 1, err
-    assert took < 10, f"the other rank ran on for {took:.1f} s after rank {failing} failed"
+    # stopped, not left to its 30-s sleep: 3 s of grace, then up to 8 s of signals, and
+    # room for a loaded machine (a bound of 8 s failed there once, at 8.6 s)
+    assert took < 20, f"the other rank ran on for {took:.1f} s after rank {failing} failed"
     assert f"rank {failing} of 2 failed" in err and f"ValueError: rank {failing} fails" in err
     assert f"rank(s) {1 - failing} were still running 3 s after rank {failing} failed" in err
     no_survivors(mark, tmp_path)
@@ -313,7 +315,9 @@ def test_launch_call_stops_its_ranks_within_seconds_on_a_signal(sig, tmp_path):
     proc.send_signal(sig)
     code, _, err = finish(proc, 60, mark)
     took = time.monotonic() - sent
-    assert took < 5, f"took {took:.1f} s to stop"
+    # stopped, not left to its 60-s sleep: the signals take up to 8.5 s, and a loaded
+    # machine more (a bound of 8 s failed there once, at 8.6 s)
+    assert took < 20, f"took {took:.1f} s to stop"
     if sig == signal.SIGINT:
         assert "KeyboardInterrupt" in err
     else:
@@ -345,7 +349,9 @@ def test_cli_interrupted_says_so_and_stops_the_ranks(sig, whole_group, tmp_path)
     name = "Ctrl-C (SIGINT)" if sig == signal.SIGINT else "SIGTERM"
     assert f"distkit launch: interrupted by {name}; stopped rank(s) 0, 1, 2" in err, err
     assert "after another rank failed" not in err and "Traceback" not in err, err
-    assert took < 8, f"took {took:.1f} s to stop"
+    # stopped, not left to its 60-s sleep: the signals take up to 8.5 s, and a loaded
+    # machine more (a bound of 8 s failed there once, at 8.6 s)
+    assert took < 20, f"took {took:.1f} s to stop"
     no_survivors(mark, tmp_path)
 
 
