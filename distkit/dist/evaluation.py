@@ -409,7 +409,7 @@ class _Collected:
         try:
             if self.refused is not None:  # the first round says so, and ends the call
                 own = self.refused
-                text = f"rank {comm.rank} {_args.REFUSED}{_args.bare(own, fn, comm)}"
+                text = f"rank {comm.rank} {_args.refused(own, fn, comm)}"
                 told = _stream.Failure(_args.error_code(own), text)
                 payload = ([], None, 0, (told.code, told.text))
             else:
@@ -765,9 +765,7 @@ def _plan(
     sizes: list[int] = []
     mine: Optional[Tensor] = None
     if refused is not None:  # its arguments (see _checked)
-        failure = _stream.Failure(
-            _args.error_code(refused), _args.REFUSED + _args.bare(refused, fn, comm)
-        )
+        failure = _stream.Failure(_args.error_code(refused), _args.refused(refused, fn, comm))
         return _stream.Plan(0, None, None, failure, None), refused, []
     try:
         if open_to:

@@ -78,10 +78,6 @@ _LIST = _Words(
 )
 
 
-def _layout(data: Any, keys: Iterable[Any]) -> list[str]:
-    return [f"{k!r}: {data[k].dtype} {tuple(data[k].shape)}" for k in keys]
-
-
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
@@ -175,13 +171,13 @@ def _same_layout(
     this rank, instead of waiting in the reduction for this rank's next call.
     """
     if refused is None:
-        layout = _layout(data, keys)
-        digest = hashlib.blake2b("\n".join(layout).encode(), digest_size=7).digest()
-        value = int.from_bytes(digest, "little")
         mine: Any = [(repr(k), str(data[k].dtype), tuple(data[k].shape)) for k in keys]
+        layout = "\n".join(f"{k}: {d} {s}" for k, d, s in mine)
+        digest = hashlib.blake2b(layout.encode(), digest_size=7).digest()
+        value = int.from_bytes(digest, "little")
     else:  # past any digest: no other rank's check can agree
         value = -(2**62)
-        mine = (_args.error_code(refused), _args.bare(refused, fn, comm))
+        mine = (_args.error_code(refused), _args.refused(refused, fn, comm))
     check = torch.tensor([value, -value], dtype=torch.int64, device="cpu")
     all_reduce(check, "max", comm.pg)
     if refused is None and check.tolist() == [value, -value]:
@@ -192,9 +188,7 @@ def _same_layout(
     for r, got in enumerate(layouts):
         if isinstance(got, tuple):  # its arguments: said as they are
             code, text = got
-            _args.fail(
-                _args.REMOTE_ERRORS[code], fn, comm, f"rank {r} passed bad arguments: {text}"
-            )
+            _args.fail(_args.REMOTE_ERRORS[code], fn, comm, f"rank {r} {text}")
     problems, fixes = _differences(layouts, words)
     if words.keyed:
         entries = [[f"{k}: {d} {s}" for k, d, s in lay] for lay in layouts]

@@ -42,7 +42,7 @@ def _call(fn: str, comm: Comm, map_location: Any, serializer_name: Optional[str]
     except (TypeError, ValueError) as exc:
         if comm.alone:
             raise
-        told = Refused(exc, _args.REFUSED + _args.bare(exc, fn, comm))
+        told = Refused(exc, _args.refused(exc, fn, comm))
         return ObjectCall(fn, None, policy.serializer_of(None, fn, comm), told)
 
 

@@ -40,9 +40,9 @@ Result = Union[T, Handle[T]]
 
 class Refused(Exception):
     """This rank's own argument error (its ``map_location``, its ``serializer``) on a
-    group of several ranks: it takes its part in the call, sending the others ``told``
-    where it sends anything, then raises :attr:`error`. Raised at once, it would leave
-    them waiting in the call, to pair it with this rank's next one."""
+    group of several ranks: it takes its part in the call, sending the others its
+    message (``told``) where it sends anything, then raises :attr:`error`. Raised at
+    once, it would leave them waiting in the call, to pair it with this rank's next one."""
 
     def __init__(self, error: Exception, told: str) -> None:
         super().__init__(told)

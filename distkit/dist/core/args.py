@@ -78,6 +78,11 @@ def bare(exc: BaseException, fn: str, comm: Where) -> str:
     return str(exc).removeprefix(f"{fn}: ").replace(f" (on {where(comm)})", "", 1)
 
 
+def refused(exc: BaseException, fn: str, comm: Where) -> str:
+    """This rank's argument error as the other ranks hear it, after ``rank <r> ``."""
+    return REFUSED + bare(exc, fn, comm)
+
+
 def error_code(exc: BaseException) -> int:
     """The index in :data:`REMOTE_ERRORS` of the type ``exc`` is passed on as."""
     for i, kind in enumerate(REMOTE_ERRORS):
