@@ -12,6 +12,7 @@ from torch.utils.data import DistributedSampler
 
 import distkit.dist as dist
 from distkit.testing import ranks
+from distkit.utils import get_group
 
 
 @ranks(*WORLDS)
@@ -228,6 +229,17 @@ def test_all_reduce_params_says_which_tensor_differs_on_which_rank():
     assert len(msg) < 3000, len(msg)
     same = dist.all_reduce_params([torch.ones(2, 3), torch.ones(4)])  # still in step
     assert all(torch.equal(p, torch.full_like(p, size)) for p in same)
+    if size == 3:  # on a sub-group: global ranks, as the default check names them
+        get_group([1, 2])  # creating a group is collective: every rank makes it
+        if rank in (1, 2):
+            with pytest.raises(ValueError) as info:
+                dist.all_reduce_params([torch.ones(rank + 1)], group=[1, 2])
+            msg = str(info.value)
+            assert "the ranks of group [1, 2] passed different tensors" in msg
+            assert "params[0] has shape (2,) on rank 1 and (3,) on rank 2" in msg, msg
+            assert "\n  rank 2 (rank 1): [torch.float32 (3,)]\n" in msg
+            assert f"(on rank {rank - 1} of 2)" in msg
+        dist.barrier()
 
 
 @ranks(2, 3, timeout=20)

@@ -245,7 +245,9 @@ def test_unpicklable_object_fails_on_every_rank():
 
 @ranks(2)
 def test_an_object_whose_class_the_receiver_lacks_names_the_sender_and_the_class():
+    import os
     import sys
+    import tempfile
     import types
 
     rank, _ = world()
@@ -278,8 +280,31 @@ def test_an_object_whose_class_the_receiver_lacks_names_the_sender_and_the_class
             missing = r"rank 1 sent an object that needs types\.Only, which this rank cannot"
             with pytest.raises(AttributeError, match=missing):
                 dist.gather_object(rank, dst=0)
+        # a module whose import raises on the receiver (a GPU library on a CPU rank):
+        # that error's class, with the sender and the class
+        Only.__module__ = "raises_on_rank_0"
+        if rank == 1:
+            sys.modules["raises_on_rank_0"] = here
+            here.Only = Only
+            dist.broadcast_object(Only(), src=1)
+        else:
+            folder = tempfile.mkdtemp()
+            with open(os.path.join(folder, "raises_on_rank_0.py"), "w") as f:
+                f.write("raise RuntimeError('no GPU library here')\n")
+            sys.path.insert(0, folder)
+            try:
+                with pytest.raises(RuntimeError) as info:
+                    dist.broadcast_object(None, src=1)
+            finally:
+                sys.path.remove(folder)
+            assert str(info.value).startswith(
+                "broadcast_object: rank 1 sent an object that needs raises_on_rank_0.Only, "
+                "which this rank cannot import (on rank 0 of 2): no GPU library here. "
+                "Importing raises_on_rank_0 fails on this rank"
+            ), info.value
     finally:
-        sys.modules.pop(here.__name__, None)
+        for name in (here.__name__, "raises_on_rank_0"):
+            sys.modules.pop(name, None)
         if hasattr(types, "Only"):
             del types.Only
     assert dist.all_gather_object(rank) == [0, 1]

@@ -17,6 +17,7 @@ from distkit.dist.core import args as _args
 from distkit.dist.core.args import OpLike
 from distkit.dist.core.comm import Comm, GroupLike
 from distkit.dist.guard import record as _record
+from distkit.dist.guard.debugmode import group_label
 from distkit.dist.objects import all_gather_object
 from distkit.dist.tensor import all_reduce, broadcast
 
@@ -101,17 +102,17 @@ def _promoted(names: list[str]) -> Optional[str]:
 
 
 def _differences(
-    layouts: list[list[tuple[str, str, tuple]]], words: _Words
+    layouts: list[list[tuple[str, str, tuple]]], words: _Words, ranks: list[int]
 ) -> tuple[list[str], list[str]]:
-    """What differs between the ranks' layouts (``(key repr, dtype, shape)`` per key),
-    key by key, and what to do about each kind of difference."""
+    """What differs between the ranks' layouts (``(key repr, dtype, shape)`` per key, of
+    the global ``ranks``), key by key, and what to do about each kind of difference."""
     name = words.name
     per_key: dict[str, dict[int, tuple[str, tuple]]] = {}
-    for rank, layout in enumerate(layouts):
+    for rank, layout in zip(ranks, layouts):
         for key, dtype, shape in layout:
             per_key.setdefault(key, {})[rank] = (dtype, shape)
     problems, fixes = [], []
-    every = range(len(layouts))
+    every = ranks
     missing = {k: [r for r in every if r not in held] for k, held in per_key.items()}
     missing = {k: lacking for k, lacking in missing.items() if lacking}
     for key, lacking in missing.items():
@@ -164,7 +165,8 @@ def _same_layout(
     ``c``) or hang; so would a list's tensors of one total size, flattened into one
     bucket. One 16-byte all_reduce of a digest of the layout, whose maximum and minimum
     agree only if every rank's digest does; only on a mismatch does a second round
-    gather the layouts, to say which entry differs how, on which rank.
+    gather the layouts, to say which entry differs how, on which rank (by global rank,
+    as the default check says it, with the rank in a sub-group beside it).
 
     ``refused`` is this rank's own argument error (a value that is no tensor, an op its
     dtype refuses): this rank raises it, and every other rank one of its class naming
@@ -189,25 +191,32 @@ def _same_layout(
         if isinstance(got, tuple):  # its arguments: said as they are
             code, text = got
             _args.fail(_args.REMOTE_ERRORS[code], fn, comm, f"rank {r} {text}")
-    problems, fixes = _differences(layouts, words)
-    if words.keyed:
-        entries = [[f"{k}: {d} {s}" for k, d, s in lay] for lay in layouts]
-        listing = "\n".join(
-            f"  rank {r}: {{{', '.join(_listed(e, 'keys'))}}}" for r, e in enumerate(entries)
-        )
+    label = group_label(comm)
+    if label == "the default group":
+        ranks, whose = list(range(comm.size)), "the ranks"
+        names = [f"rank {r}" for r in ranks]
     else:
-        entries = [[f"{d} {s}" for _, d, s in lay] for lay in layouts]
-        listing = "\n".join(
-            f"  rank {r}: [{', '.join(_listed(e, 'tensors'))}]" for r, e in enumerate(entries)
-        )
+        ranks, whose = comm.global_ranks(), f"the ranks of {label}"
+        names = [f"rank {g} (rank {r})" for r, g in enumerate(ranks)]
+    problems, fixes = _differences(layouts, words, ranks)
+    listing = "\n".join(
+        f"  {name}: {_entries(layout, words)}" for name, layout in zip(names, layouts)
+    )
     _args.fail(
         ValueError,
         fn,
         comm,
-        f"the ranks passed {words.passed}: {'; '.join(_listed(problems, 'differences'))}\n"
+        f"{whose} passed {words.passed}: {'; '.join(_listed(problems, 'differences'))}\n"
         f"{listing}\n",
         ". ".join(fixes),
     )
+
+
+def _entries(layout: list[tuple[str, str, tuple]], words: _Words) -> str:
+    """One rank's layout as its error lists it: ``{'a': dtype shape, ...}`` or ``[...]``."""
+    if words.keyed:
+        return "{" + ", ".join(_listed([f"{k}: {d} {s}" for k, d, s in layout], "keys")) + "}"
+    return "[" + ", ".join(_listed([f"{d} {s}" for _, d, s in layout], "tensors")) + "]"
 
 
 @untraced("all_reduce_dict", "checks the dict's layout on every rank, then sends one message")

@@ -577,14 +577,15 @@ def _report(
 # -- inside a rank ----------------------------------------------------------------------
 
 
-def _channel(name: str) -> Optional[Any]:
-    """The pipe the launcher passed in ``name``, kept from the script's own children."""
+def _channel(name: str) -> Optional[int]:
+    """The pipe the launcher passed in ``name`` (its descriptor), kept from the script's
+    own children."""
     fd = os.environ.pop(name, None)
     if fd is None:
         return None
     try:
         os.set_inheritable(int(fd), False)
-        return os.fdopen(int(fd), "w", encoding="utf-8")
+        return int(fd)
     except (OSError, ValueError):
         return None
 
@@ -596,7 +597,10 @@ def _as_rank(argv: list[str]) -> None:
     rank prints it itself only when it cannot hand it over.
     """
     me = os.getpid()
-    errors = _channel("DISTKIT_ERROR_FD")
+    error_fd = _channel("DISTKIT_ERROR_FD")
+    errors = None if error_fd is None else os.fdopen(error_fd, "w", encoding="utf-8")
+    # the stack pipe stays open to the end, for faulthandler, which writes to the
+    # descriptor itself (no file object to be collected, closing it, at exit)
     stacks = _channel("DISTKIT_STACK_FD")
     if stacks is not None:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -630,6 +634,16 @@ def _as_rank(argv: list[str]) -> None:
         if errors is None or os.getpid() != me or not _hand_over(errors, exc, interrupted):
             raise  # not the rank itself (a child it forked), or no launcher to tell
         sys.exit(INTERRUPTED if interrupted else 1)
+    finally:
+        _close(errors)  # a clean end has nothing to hand over (a failure closed it)
+
+
+def _close(errors: Any) -> None:
+    try:
+        if errors is not None:
+            errors.close()
+    except (OSError, ValueError):
+        pass
 
 
 def _hand_over(errors: Any, exc: BaseException, interrupted: bool) -> bool:

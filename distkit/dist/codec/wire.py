@@ -552,19 +552,22 @@ class _Decoder(pickle.Unpickler):
             return builders.BUILDERS[name]  # pickle trusts its peers: no checks to repeat
         try:
             return super().find_class(module, name)
-        except (AttributeError, ImportError) as exc:  # said with the sender by _rebuild
+        except Exception as exc:  # said with the sender by _rebuild
+            # missing here (ImportError, AttributeError), or its import fails on this rank
             raise _Unloadable(module, name, exc) from exc
 
 
 class _Unloadable(Exception):
-    """A class or function the sender has and this rank cannot import."""
+    """A class or function the sender has and this rank cannot import: its module or
+    the name is missing here, or importing the module raises here."""
 
     def __init__(self, module: str, name: str, error: Exception) -> None:
         super().__init__(module, name, error)
         self.module, self.name, self.error = module, name, error
 
     def reraise(self, fn: str, sender: int, where: str) -> NoReturn:
-        """Raise :attr:`error`'s class, saying who sent what and what to do."""
+        """Raise :attr:`error`'s class (RuntimeError where that class takes other
+        arguments), saying who sent what and what to do."""
         if self.module == "__main__":
             fix = (
                 "Define it at the top level of a module every rank imports (or of the "
@@ -572,12 +575,20 @@ class _Unloadable(Exception):
             )
         elif isinstance(self.error, ImportError):
             fix = f"Make {self.module} importable on every rank (the same code everywhere)"
-        else:
+        elif isinstance(self.error, AttributeError):
             fix = f"Run the same version of {self.module} on every rank"
-        raise type(self.error)(
+        else:
+            fix = f"Importing {self.module} fails on this rank: make it import on every rank"
+        head = (
             f"{fn}: rank {sender} sent an object that needs {self.module}.{self.name}, which "
-            f"this rank cannot import{where}: {self.error}. {fix}"
-        ) from self.error
+            f"this rank cannot import{where}: "
+        )
+        tail = f"{self.error}. {fix}"
+        try:  # the class the import raised, as a caller would catch it
+            error = type(self.error)(head + tail)
+        except Exception:  # a class built from other arguments (UnicodeDecodeError, ...)
+            error = RuntimeError(f"{head}{type(self.error).__name__}: {tail}")
+        raise error from self.error
 
 
 def _target_device(sent_type: str, map_location: Optional[torch.device]) -> Optional[torch.device]:
