@@ -778,7 +778,7 @@ def test_an_exit_with_an_irecv_never_received_names_it_and_exits_cleanly(tmp_pat
         (
             1,
             0,
-            "its group was destroyed, so it never will; waiting up to 4 s for rank 0 to "
+            "its group was destroyed, so it never will; waiting up to 12 s for rank 0 to "
             "exit. Wait for every irecv before destroy_dist",
         ),
     ):

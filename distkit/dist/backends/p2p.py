@@ -872,9 +872,12 @@ def done(rcv: Receive, public: str) -> bool:
 # process would abort ("terminate called without an active exception"). So the exit says
 # which receive is unfinished and waits up to EXIT_WAIT seconds for the peer to send it or
 # to exit (the usual case: both ranks end together, and the wait ends while Python is
-# whole), twice that for a peer of a lower rank: of two ranks that each wait for the
-# other (or a ring of them), the lower one leaves first, its exit wakes the other's
-# helper while that one still waits, and the other leaves only once the first is gone.
+# whole), EXIT_TEARDOWN seconds more for a peer of a lower rank: of two ranks that each
+# wait for the other (or a ring of them), the lower one leaves first, its exit wakes the
+# other's helper while that one still waits, and the other leaves only once the first is
+# gone. The first one's exit (its own wait, then torch's teardown) took over 4 s on a
+# loaded machine: the wait ends as soon as the peer is gone, so a long bound costs only
+# an exit whose peer does not exit at all.
 
 #: Marks a helper thread (``_helper.on``): its waits take no timeout of their own, and
 #: their errors are told by the caller's wait, as the caller's (its call site, its peer)
@@ -887,6 +890,8 @@ _DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 #: Seconds an exit waits for the peer of an unfinished ``irecv`` (see above).
 EXIT_WAIT = 2.0
+#: Seconds more for a peer of a lower rank: its own exit's wait, then its teardown.
+EXIT_TEARDOWN = 10.0
 #: Seconds a channel's helper thread waits for its next ``irecv`` before it ends.
 LINGER = 1.0
 _helping = threading.Condition(threading.Lock())
@@ -952,7 +957,7 @@ def _at_exit() -> None:
     # of two ranks that each wait for the other, the lower one leaves first and the other
     # is still waiting (Python whole) when that exit wakes its helper
     me, peer = ranks[0]
-    seconds = EXIT_WAIT * (2 if any(p < m for m, p in ranks) else 1)
+    seconds = EXIT_WAIT + (EXIT_TEARDOWN if any(p < m for m, p in ranks) else 0.0)
     rcv = waiting[0]
     # a destroyed group's receive can never be sent: its helper still waits inside gloo
     # until the peer's exit wakes it, which must happen while Python is whole
