@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from conftest import in_fresh_world, mismatch, modern_compile, world
+from conftest import debug_mode, in_fresh_world, mismatch, modern_compile, world
 from helpers_subprocess import script_env, torchrun
 
 import distkit.dist as dist
@@ -271,6 +271,56 @@ def test_the_default_check_catches_a_skipped_collective_with_both_call_sites():
     assert "rank 0: all_reduce(data={'dtype': 'float32', 'shape': [3]}, op=sum) at " in text
     assert "rank 1: barrier() at tests/test_safe_default.py:" in text
     assert "a rank that skips one (a branch on the rank, an early return)" in text
+
+
+@ranks(2, 3, timeout=30)
+def test_arguments_refused_on_one_rank_raise_on_every_rank_and_keep_them_in_step():
+    """Refused on that rank alone before any communication, the others waited in the
+    call and paired it with that rank's next call when the caller went on: another
+    call's data, no error (a timeout on the old code). Where the default check looks
+    (the first calls at each call site) and in debug mode, that rank takes its part.
+    Tensor and object collectives alike."""
+    rank, size = world()
+    last = size - 1
+    t = torch.ones(2)
+    cases = [  # one case per line: each its own call site, checked by default
+        (lambda: dist.all_reduce(None if rank == last else t.clone()), TypeError, "data must be"),
+        (lambda: dist.reduce(t.clone(), dst=size if rank == last else 0), ValueError, "dst="),
+        (lambda: dist.reduce_scatter(t.repeat(size), op="max" if rank else "x"), ValueError, "op"),
+        (lambda: dist.all_to_all([t] * (size + (rank == last))), ValueError, "tensors"),
+        (lambda: dist.broadcast_object(rank, src=size if rank == last else 0), ValueError, "src="),
+        (lambda: dist.gather_object(rank, dst=None if rank == last else 0), TypeError, "dst"),
+    ]
+    for debug in (False, True):
+        with debug_mode() if debug else contextlib.nullcontext():
+            for i, (call, kind, says) in enumerate(cases):
+                refusing = 0 if i == 2 else last
+                with pytest.raises(Exception) as info:
+                    call()
+                text = str(info.value)
+                if rank == refusing:  # its own error, as in a single process
+                    assert type(info.value) is kind and says in text, text
+                    assert f"(on rank {rank} of {size})" in text, text
+                else:
+                    assert type(info.value) is dist.CollectiveMismatchError, text
+                    assert f"refused={kind.__name__}: " in text and says in text, text
+                    assert f"Rank {refusing} refused its arguments to this call" in text
+                # in step: the next call gets every rank's own data, on every rank
+                assert dist.all_reduce(torch.full((1,), rank + 1.0)).item() == sum(
+                    range(1, size + 1)
+                )
+    # every rank refusing the same arguments: each raises its own error; four checks of
+    # one call number in a row (each refused call gives its number back), every rank
+    # finding the same attempt's key each time
+    for call in (
+        lambda: dist.broadcast(t.clone(), src=7),
+        lambda: dist.reduce(t.clone(), dst=-1),
+        lambda: dist.all_to_all([t] * (size + 1)),
+        lambda: dist.gather_object(rank, dst=size),
+    ):
+        with pytest.raises(ValueError, match=r"out of range|must hold"):
+            call()
+    assert dist.all_reduce(torch.ones(1)).item() == size
 
 
 @ranks(2, 3)

@@ -44,6 +44,8 @@ from distkit.dist.core import comm as _comm
 from distkit.dist.core import spec
 from distkit.dist.core.args import fail
 from distkit.dist.core.comm import _FACTS, _TRACED, Comm, TracedComm, _GroupFacts
+from distkit.dist.core.shortcut import shortcut
+from distkit.dist.guard import watch as _watch
 from distkit.dist.guard import watchdog as _watchdog
 from distkit.utils.groups import cached_group, get_group
 
@@ -367,3 +369,23 @@ def _not_member(what: str, fn: str) -> NoReturn:
         "Call the collective only on the group's members; get_group must still be "
         "called on every rank to create the group",
     )
+
+
+def refused(fn: str, error: BaseException, group: Any) -> None:
+    """The checks of collective ``fn`` refused this rank's arguments (``error``): tell
+    the other ranks of ``group`` where they check the call (see
+    :func:`distkit.dist.guard.watch.refused`), so that they raise too instead of pairing
+    this call with this rank's next one."""
+    if under_compile():  # a traced call: its group's ranks are not counted
+        return
+    try:
+        comm = resolve(group, fn)  # the group the call resolved before its checks
+    except Exception:  # the group itself was refused: nothing to tell
+        return
+    if comm.pg is not None and not comm.alone:
+        _watch.refused(comm, fn, error, sys._getframe(1))
+
+
+#: For a collective without a shortcut (the shortcuts take ``refused=refused``): the
+#: arguments it refuses told to the other ranks
+told = shortcut(None, refused=refused)

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from distkit.dist._route import resolve
+from distkit.dist._route import refused, resolve, told
 from distkit.dist.backends.base import ObjectCall, Refused
 from distkit.dist.codec import pickling as _pickling
 from distkit.dist.codec import policy
@@ -73,7 +73,7 @@ _RETURNS, _WHEN = spec.shortcut_of(
 )
 
 
-@shortcut(_RETURNS, **_WHEN)
+@shortcut(_RETURNS, refused=refused, **_WHEN)
 def all_gather_object(
     data: Any,
     group: GroupLike = None,
@@ -116,6 +116,7 @@ def all_gather_object(
     return comm.backend.all_gather_object(comm, data, call)
 
 
+@told
 def gather_object(
     data: Any,
     dst: int = 0,
@@ -162,6 +163,7 @@ def gather_object(
     return comm.backend.gather_object(comm, data, dst, call)
 
 
+@told
 def broadcast_object_list(
     data: list[Any],
     src: int = 0,
@@ -224,6 +226,7 @@ def broadcast_object_list(
     return data
 
 
+@told
 def broadcast_object(
     obj: Any = None,
     src: int = 0,
@@ -268,6 +271,7 @@ def broadcast_object(
     return comm.backend.broadcast_object(comm, obj, src, "obj", call)
 
 
+@told
 def scatter_object_list(
     data: Optional[list[Any]] = None,
     src: int = 0,
@@ -319,6 +323,7 @@ def scatter_object_list(
     return comm.backend.scatter_object(comm, data, src, call, error)
 
 
+@told
 def all_to_all_object(
     data: list[Any],
     group: GroupLike = None,

@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal, Optional, TypeVar, Union, overload
 from torch import Tensor
 
 from distkit.dist import _autograd
-from distkit.dist._route import resolve
+from distkit.dist._route import refused, resolve, told
 from distkit.dist.backends.tensors import TORCH
 from distkit.dist.core import args as _args
 from distkit.dist.core import spec
@@ -36,9 +36,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def _fast(method: str, **lane: Any) -> Callable[[_F], _F]:
     """The single-process shortcut the spec of ``method`` declares (see
-    :mod:`distkit.dist.core.spec`), compiled in front of the public function."""
+    :mod:`distkit.dist.core.spec`), compiled in front of the public function, which
+    tells the other ranks when it refuses its arguments
+    (:func:`distkit.dist._route.refused`)."""
     returns, when = spec.shortcut_of(method, {"Tensor": Tensor})
-    return shortcut(returns, **lane, **when)
+    return shortcut(returns, **lane, refused=refused, **when)
 
 
 @overload
@@ -467,6 +469,7 @@ def reduce_scatter(
     *,
     grad: bool = ...,
 ) -> Union[Tensor, Handle[Tensor]]: ...
+@told
 def reduce_scatter(
     data: Union[Tensor, list[Tensor]],
     op: OpLike = "sum",
@@ -568,6 +571,7 @@ def all_to_all(
 def all_to_all(
     data: list[Tensor], group: GroupLike = ..., async_op: bool = ..., same_shape: bool = ...
 ) -> Union[list[Tensor], Handle[list[Tensor]]]: ...
+@told
 def all_to_all(
     data: list[Tensor], group: GroupLike = None, async_op: bool = False, same_shape: bool = False
 ) -> Union[list[Tensor], Handle[list[Tensor]]]:
@@ -655,6 +659,7 @@ def all_to_all_single(
     group: GroupLike = ...,
     async_op: bool = ...,
 ) -> Union[Tensor, Handle[Tensor]]: ...
+@told
 def all_to_all_single(
     data: Tensor,
     output_split_sizes: Optional[list[int]] = None,
@@ -746,6 +751,7 @@ def scatter(
     group: GroupLike = ...,
     async_op: bool = ...,
 ) -> Union[Tensor, Handle[Tensor]]: ...
+@told
 def scatter(
     data: Optional[list[Tensor]] = None,
     src: int = 0,

@@ -113,7 +113,8 @@ class _GroupFacts:
         # ... and the async calls still in flight: call number -> (call, its handle, weakly)
         self.pending: dict[int, tuple[tuple, Any]] = {}
         self.sites: dict[tuple[str, int], int] = {}  # calls seen per call site (_check)
-        self.last_check: Optional[str] = None  # store key of the last default check
+        # the number of the last default check, and the store keys of its attempts
+        self.last_check: Optional[tuple[int, list[str]]] = None
         # whether torch.compile traced a collective of this group: its traced calls run
         # without Python (no call number), so ranks' call numbers drift: no default check
         self.traced = self.gid in _TRACED

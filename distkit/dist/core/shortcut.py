@@ -32,6 +32,9 @@ from distkit import _registry
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: What a checked path raises for arguments it refuses (see ``refused`` of :func:`shortcut`)
+_REFUSABLE = (TypeError, ValueError, RuntimeError)
+
 
 def _test(name: str, condition: Any, bind: Callable[[Any], str]) -> str:
     """Source of one condition on parameter ``name``; ``bind`` names a closure value."""
@@ -56,6 +59,7 @@ def shortcut(
     world: Optional[str] = None,
     lane: Optional[tuple[Any, ...]] = None,
     collective: bool = True,
+    refused: Optional[Callable[[str, BaseException, Any], None]] = None,
     **when: Any,
 ) -> Callable[[F], F]:
     """Compile a shortcut in front of the checked function it decorates.
@@ -78,6 +82,12 @@ def shortcut(
             there a process group?" through :func:`distkit._registry.guard`, so that a
             launched process without one takes the checked path (which raises) instead
             of returning the single-process result. Queries (``world`` given) are not.
+        refused: ``refused(name, error, group)`` is called when the checked path raises
+            a ``TypeError``, ``ValueError`` or ``RuntimeError`` (then the error is
+            raised): how a collective tells the other ranks that this rank refused its
+            arguments (:func:`distkit.dist.guard.watch.refused`). A ``try`` costs
+            nothing until something is raised. With neither ``returns`` nor ``lane``,
+            the function gets this and no shortcut.
         **when: Parameter name to condition: a value compared by identity (``None``,
             ``False``, ``0``, ``"sum"``), a type (the argument's exact class), a
             frozenset of types, a predicate, or a tuple of conditions one of which must
@@ -88,7 +98,7 @@ def shortcut(
         docstring and module, and the decorated function as ``__wrapped__``.
     """
 
-    assert returns is not None or lane is not None, "a shortcut returns something"
+    assert returns is not None or lane is not None or refused is not None, "nothing to do"
 
     def compile_(checked: F) -> F:
         sig = inspect.signature(checked)
@@ -112,7 +122,9 @@ def shortcut(
             call.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
         tests = [_test(name, cond, bind) for name, cond in when.items()] or ["True"]
         body = [f"        if {' and '.join(tests)}:"]
-        if lane is not None:
+        if returns is None and lane is None:
+            body = []
+        elif lane is not None:
             name, condition, fn = lane[:3]
             miss = bind(lane[3]) if len(lane) > 3 else "None"
             required = [p.name for p in sig.parameters.values() if p.default is p.empty]
@@ -138,12 +150,23 @@ def shortcut(
                 "            pg = _world._default_pg",
                 f"            return {returns} if pg is None else {world}",
             ]
+        run = f"_checked({', '.join(call)})"
+        if refused is None:
+            tail = [f"        return {run}"]
+        else:
+            tail = [
+                "        try:",
+                f"            return {run}",
+                f"        except {bind(_REFUSABLE)} as exc:",
+                f"            {bind(refused)}({checked.__name__!r}, exc, group)",
+                "            raise",
+            ]
         source = "\n".join(
             [
                 f"def factory({', '.join(closure)}):",
                 f"    def {checked.__name__}({', '.join(params)}):",
                 *body,
-                f"        return _checked({', '.join(call)})",
+                *tail,
                 f"    return {checked.__name__}",
             ]
         )
@@ -152,7 +175,8 @@ def shortcut(
         inner = namespace["factory"](*closure.values())
         cells = dict(zip(inner.__code__.co_freevars, inner.__closure__ or ()))
         # it follows the registry once torch is loaded (and the launcher guard)
-        _registry.watch(cells["_world"], collective=collective and world is None)
+        if "_world" in cells:  # (a function with no shortcut reads no world)
+            _registry.watch(cells["_world"], collective=collective and world is None)
         # Home the function in the collective's module, so that tools looking for a
         # module's own functions (doctest, pickling by name) find it there.
         fast = types.FunctionType(

@@ -14,7 +14,10 @@ match, ``src``/``dst``; for ``all_to_all_single``, the rows each rank sends ever
 against the rows that one expects) to one counter, and the last rank to arrive publishes
 the total. When the digests differ, every rank posts its call and call site and raises
 :class:`CollectiveMismatchError` naming them all, before the backend runs. A call refused
-this way takes no call number, so ranks stay in step whichever of them go on.
+this way takes no call number, so ranks stay in step whichever of them go on. A rank
+whose own checks refused its arguments to the call takes its part too, with a part no
+valid call agrees with (:func:`distkit.dist.guard.watch.refused`): the others raise,
+naming it, instead of pairing the call with that rank's next one.
 
 The ranks' counts of call sites agree while they run the same code, and the sample is
 keyed by call number; when they do not (one rank at a new line, another at an old one),
@@ -113,7 +116,8 @@ def key_of(board: Board, facts: _GroupFacts, seq: int) -> str:
     A refused call's number is taken again by the next call, so a number can be checked
     more than once: each attempt has a key of its own, and a rank takes the first one
     without a verdict (one with a verdict is an earlier attempt this rank took part in,
-    since a verdict needs every rank's part).
+    since a verdict needs every rank's part). The attempts of a number stay in the store
+    until a later number is checked, so every rank counts them alike.
     """
     attempt = 0
     while board.has(board.key("check", facts.gid, f"{seq}.{attempt}", "done")):
@@ -208,8 +212,12 @@ def run(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
             total = add(board, key, digest, term, size)
             if total is None:
                 total = _await(board, key, comm, facts, public, seq)
-            else:  # every rank reached this check, so every rank has left its previous one
-                _forget(board, facts.last_check)
+            elif facts.last_check is not None and facts.last_check[0] != seq:
+                # every rank reached this check, so every rank has left those of earlier
+                # numbers (not the earlier attempts of this one: key_of reads their
+                # verdicts, and a rank that forgot one would take another key)
+                for earlier in facts.last_check[1]:
+                    _forget(board, earlier)
         except (
             errors.CollectiveTimeoutError,
             errors.RankGoneError,
@@ -219,7 +227,10 @@ def run(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
         except Exception:  # the store failed (its host went away): go on unchecked
             board.dead = True
             return
-        facts.last_check = key
+        if facts.last_check is not None and facts.last_check[0] == seq:
+            facts.last_check[1].append(key)
+        else:
+            facts.last_check = (seq, [key])
     finally:
         facts.checking = False
     if total == _GONE:
@@ -413,7 +424,10 @@ def mismatch(
         f"default check, at call #{seq} on the group; on rank {board.rank}):",
         *rows,
     ]
-    if len({c["call"] for c in known}) > 1:
+    refused = debugmode.refusing([f"rank {r}" for r in ranks], [calls.get(r) for r in ranks])
+    if refused is not None:
+        lines.append(refused)
+    elif len({c["call"] for c in known}) > 1:
         lines.append(
             "Every rank must call the same collectives in the same order; a rank that "
             "skips one (a branch on the rank, an early return) shows up here in its next "

@@ -131,6 +131,19 @@ def format_call(call: dict) -> str:
     return f"{call['call']}({shown}) at {call['site']}"
 
 
+def refusing(names: list[str], calls: list[Optional[dict]]) -> Optional[str]:
+    """The line a mismatch error adds when some of the ranks (their ``names``) refused
+    their arguments to the call (:func:`distkit.dist.guard.watch.refused`), or None."""
+    who = [n for n, c in zip(names, calls) if c is not None and "refused" in c["must"]]
+    if not who:
+        return None
+    return (
+        f"{', '.join(who).capitalize()} refused {'its' if len(who) == 1 else 'their'} "
+        "arguments to this call (the error above) and raised it there; the other ranks "
+        "raise this, and the group stays in step (the call took no number)."
+    )
+
+
 def group_label(comm: Comm) -> str:
     if comm.pg is _registry.current._default_pg:
         return "the default group"
@@ -217,7 +230,10 @@ def check(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
     for r, c in enumerate(calls):
         lines.append(f"  rank {r}: {format_call(c)}")
     pairs = [r for r, c in enumerate(calls) if c.get("must") == {"point_to_point": True}]
-    if pairs:
+    refused = refusing([f"rank {r}" for r in range(len(calls))], calls)
+    if refused is not None:
+        lines.append(refused)
+    elif pairs:
         lines.append(
             f"Rank(s) {', '.join(map(str, pairs))} wait in a point-to-point call for a rank "
             "that waits here: a collective cannot start until that call is served (send "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from distkit import _settings
 from distkit.dist import errors
+from distkit.dist.core import args as _args
 from distkit.dist.core.spec import SPECS
 from distkit.dist.guard import check as _check
 from distkit.dist.guard import debugmode, diagnose, pairs
@@ -196,3 +197,54 @@ def _watched_pair(method: F) -> F:
         return result
 
     return run  # type: ignore[return-value]
+
+
+def refused(comm: Comm, public: str, error: BaseException, frame: Optional[Any]) -> None:
+    """Tell the other ranks of ``comm``'s group that this rank refused its arguments to
+    ``public`` (``error``, raised by its checks before any communication), where they
+    check the call: in debug mode (every call), and at the calls the default check
+    makes (the first at each call site, and a sample).
+
+    Raised on this rank alone, the error left the others waiting in the call, to pair it
+    with this rank's next one if the caller caught the error and went on: another call's
+    data, no error. This rank takes its part in the check, with a part that agrees with
+    no other call's, so every rank that made a valid call raises
+    :class:`~distkit.dist.CollectiveMismatchError` naming this rank and its error; the
+    call takes no number anywhere, so the ranks stay in step. Ranks that all refused the
+    same arguments agree, and each raises its own error. Calls the default check skips
+    (a call site past its first calls) still raise on this rank alone.
+    """
+    facts = comm._facts
+    if facts is None or facts.size < 2 or facts.traced:
+        return
+    if getattr(_local, "depth", 0):  # inside another collective: it says what failed
+        return
+    settings = _settings.values
+    debug = settings.get("debug", _DEBUG_DEFAULT)
+    if not debug and not settings.get("check", _CHECK_DEFAULT):
+        return
+    tb = error.__traceback__
+    while tb is not None:  # raised under a backend method (watched): past the checks
+        if tb.tb_frame.f_globals.get("__name__") == __name__:
+            return
+        tb = tb.tb_next
+    try:
+        seq = comm.enter(public)
+    except Exception:  # a broken group, or another thread in a collective on it
+        return
+    try:
+        if not debug and not _check.due(facts, seq, frame):
+            return
+        said = f"{type(error).__name__}: {_args.bare(error, public, comm)}"
+        fields = must = {"refused": said}
+        try:
+            if debug:
+                with pairs.in_collective(comm, public, fields, seq):
+                    debugmode.check(comm, public, fields, must, seq)
+            else:
+                _check.run(comm, public, fields, must, seq)
+        except Exception:  # the others' mismatch, or a check that failed: raise the error
+            pass
+    finally:
+        facts.seq -= 1  # a refused call takes no number, as on the ranks it refuses
+        comm.leave()
