@@ -62,8 +62,9 @@ def test_a_straggler_is_blamed_at_its_line():
     # other work on 2 cores): the floor is what the test is about
     assert 0.45 <= row.late[1] <= 3.0, row
     # the blame is rank 1's: rank 0's own lateness is scheduling noise (63 ms over the 100
-    # calls seen in CI's suite, against rank 1's 544)
-    assert row.late[1] >= 0.8 * sum(row.late.values()), row
+    # calls seen in CI's suite against rank 1's 544; 161 against 532 with the suite and
+    # two busy loops on 2 cores)
+    assert row.late[1] >= 2 * row.late[0], row
     assert row.seconds >= 0.2, row  # rank 0 waited inside the calls (half the average)
     other = _row(prof.rows, "broadcast", punctual)
     assert other.calls == 20
