@@ -137,6 +137,21 @@ CASES = [
         lambda n: ((torch.arange(n * 2),), {"output_split_sizes": [1.5] * n}),
     ),
     sized(
+        "own rows differ",
+        "all_to_all_single",
+        ValueError,
+        lambda n: ((torch.arange(n * 2),), {"output_split_sizes": [1] * n}),
+    ),
+    sized(
+        "own rows differ from input_split_sizes",
+        "all_to_all_single",
+        ValueError,
+        lambda n: (
+            (torch.arange(n * 3),),
+            {"input_split_sizes": [3] * n, "output_split_sizes": [2] * n},
+        ),
+    ),
+    sized(
         "too many splits",
         "all_to_all_single",
         ValueError,
@@ -146,6 +161,8 @@ CASES = [
     case("data is None", "scatter", TypeError, None),
     sized("list too long", "scatter", ValueError, lambda n: (([_t()] * (n + 1),), {})),
     case("src is 0.0", "scatter", TypeError, None, src=0.0),
+    case("a tensor, not a list", "scatter", TypeError, torch.arange(6.0).reshape(2, 3)),
+    sized("a list of lists", "scatter", TypeError, lambda n: (([[1.0, 2.0]] * n,), {})),
     case("group is a dict", "barrier", TypeError, group={}),
     # object collectives
     case("a lock", "all_gather_object", TypeError, {"lock": LOCK}),

@@ -349,6 +349,17 @@ def test_bad_indices_on_one_rank_raise_on_every_rank_and_leave_them_in_step():
         dist.collect_results([rank] * 2, 2 * size, serializer="json" if bad else None)
     with pytest.raises(TypeError, match=f"rank {last} passed bad arguments: chunk_bytes|got int 0"):
         list(dist.iter_results([rank] * 2, 2 * size, chunk_bytes=0 if bad else 1024))
+    # a dst out of range on one rank: checked with the rest, before the first round
+    out_of_range = f"rank {last} passed bad arguments: dst={size} is out of range"
+    for streamed in (False, True):
+        dst = size if bad else 0
+        with pytest.raises(ValueError) as info:
+            if streamed:
+                list(dist.iter_results([rank] * 2, 2 * size, dst=dst))
+            else:
+                dist.collect_results([rank] * 2, 2 * size, dst=dst)
+        mine = f"dst={size} is out of range for a group of size {size}"
+        assert (mine if bad else out_of_range) in str(info.value), (streamed, str(info.value))
     # every rank still in step: the next calls pair up
     got = dist.collect_results([rank] * 2, 2 * size, indices=[2 * rank, 2 * rank + 1])
     assert got == ([r for r in range(size) for _ in range(2)] if rank == 0 else None)

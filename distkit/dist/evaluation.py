@@ -202,6 +202,7 @@ class _Checked(NamedTuple):
     serializer: str
     chunk_bytes: int
     refused: Optional[Exception]  # on a group: this rank's error, raised after telling
+    dst: Optional[int]  # checked (a refused one: 0, the default, to take part with)
 
 
 def _checked(
@@ -213,12 +214,15 @@ def _checked(
     indices: Optional[Sequence[int]],
     sampler: Any,
     serializer: Optional[str],
+    dst: Any,
     chunk_bytes: Any = CHUNK_BYTES,
+    dst_may_be_none: bool = True,
 ) -> _Checked:
-    """:func:`_check`, the serializer and ``chunk_bytes``; on a group of several ranks an
-    error they raise is kept, for this rank to raise once it has told the others in the
-    call's first round: raised at once, it left them waiting in that round, to pair it
-    with this rank's next call (defaults stand in for the arguments meanwhile)."""
+    """:func:`_check`, the serializer, ``dst`` (``None``, where it may be: every rank
+    receives) and ``chunk_bytes``; on a group of several ranks an error they raise is kept, for this
+    rank to raise once it has told the others in the call's first round: raised at once,
+    it left them waiting in that round, to pair it with this rank's next call (defaults
+    stand in for the arguments meanwhile)."""
     try:
         checked = _check(fn, comm, results, size, order, indices, sampler)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
@@ -228,11 +232,19 @@ def _checked(
                 comm,
                 f"chunk_bytes must be a positive int, got {_args.show(chunk_bytes)}",
             )
-        return _Checked(checked, policy.serializer_of(serializer, fn, comm), chunk_bytes, None)
+        name = policy.serializer_of(serializer, fn, comm)
+        if dst is not None or not dst_may_be_none:
+            dst = _args.rank(dst, "dst", fn, comm)
+        return _Checked(checked, name, chunk_bytes, None, dst)
     except Exception as exc:  # a sampler or a results sequence may raise anything
         if comm.alone:
             raise
-        return _Checked(None, policy.serializer_of(None, fn, comm), CHUNK_BYTES, exc)
+        try:  # the others' dst, as far as this rank can tell
+            if dst is not None or not dst_may_be_none:
+                dst = _args.rank(dst, "dst", fn, comm)
+        except Exception:
+            dst = 0
+        return _Checked(None, policy.serializer_of(None, fn, comm), CHUNK_BYTES, exc, dst)
 
 
 @untraced("collect_results", _PICKLES)
@@ -339,11 +351,9 @@ def collect_results(
     fn = "collect_results"
     comm = resolve(group, fn)
     with _record.collector(fn):  # one call in a profile, its rounds inside
-        indices, name, _, refused = _checked(
-            fn, comm, results, size, order, indices, sampler, serializer
+        indices, name, _, refused, dst = _checked(
+            fn, comm, results, size, order, indices, sampler, serializer, dst
         )
-        if dst is not None:
-            dst = _args.rank(dst, "dst", fn, comm)
         call = ObjectCall(fn, None, name)
         collected = _Collected(comm, call, dst, results, indices, refused)
         steps: Iterable[int] = range(1, collected.step(0))  # the first round tells the rest
@@ -728,10 +738,10 @@ def iter_results(
     fn = "iter_results"
     comm = resolve(group, fn)
     with _record.collector(fn):  # one call in a profile, its rounds inside
-        indices, name, chunk_bytes, refused = _checked(
-            fn, comm, results, size, order, indices, sampler, serializer, chunk_bytes
+        indices, name, chunk_bytes, refused, checked_dst = _checked(
+            fn, comm, results, size, order, indices, sampler, serializer, dst, chunk_bytes, False
         )
-        dst = _args.rank(dst, "dst", fn, comm)
+        assert checked_dst is not None  # iter_results has one dst
         call = ObjectCall(fn, None, name)
         if comm.alone:
             plan, error, _ = _plan(fn, comm, results, size, indices, 0, "")
@@ -742,7 +752,7 @@ def iter_results(
             return _alone(results, ranks, positions)
         seq = comm.enter(fn)  # the stream's call number on the group (hang reports)
         try:
-            opened = _stream.Opened(comm, fn, seq, dst)
+            opened = _stream.Opened(comm, fn, seq, checked_dst)
             return _open(opened, results, size, order, indices, chunk_bytes, call, refused)
         finally:
             comm.leave()

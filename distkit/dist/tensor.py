@@ -723,6 +723,23 @@ def all_to_all_single(
         )
     if output_split_sizes is not None:
         output_split_sizes = _args.splits(output_split_sizes, "output_split_sizes", None, fn, comm)
+        # the rows a rank sends itself are the rows it receives from itself, in any world
+        me = comm.rank
+        sent = rows // comm.size if input_split_sizes is None else input_split_sizes[me]
+        if output_split_sizes[me] != sent:
+            sends = (
+                f"input_split_sizes[{me}]={sent}"
+                if input_split_sizes is not None
+                else f"this rank sends itself {sent} rows (its even share of data)"
+            )
+            _args.fail(
+                ValueError,
+                fn,
+                comm,
+                f"output_split_sizes[{me}]={output_split_sizes[me]}, but {sends}",
+                "The rows a rank sends itself are the rows it receives from itself: "
+                f"make output_split_sizes[{me}] {sent} on rank {me}",
+            )
     _args.flag(async_op, "async_op", fn, comm)
     return comm.backend.all_to_all_single(
         comm, data, output_split_sizes, input_split_sizes, async_op

@@ -702,7 +702,8 @@ class TorchBackend(TorchObjects):
         error: Optional[Exception] = None,
     ) -> Result[Tensor]:
         rank = comm.rank
-        dev = comm.device(data[0] if data and error is None else None)
+        # data is src's alone (checked there; ignored, whatever it is, elsewhere)
+        dev = comm.device(data[0] if error is None and rank == src and data else None)
         src_global = comm.global_rank(src)
         if error is not None:  # src's own arguments were bad: tell everyone, then raise
             _send_failure(error, src_global, dev, comm)
