@@ -219,10 +219,16 @@ def _checked(
     dst_may_be_none: bool = True,
 ) -> _Checked:
     """:func:`_check`, the serializer, ``dst`` (``None``, where it may be: every rank
-    receives) and ``chunk_bytes``; on a group of several ranks an error they raise is kept, for this
-    rank to raise once it has told the others in the call's first round: raised at once,
-    it left them waiting in that round, to pair it with this rank's next call (defaults
-    stand in for the arguments meanwhile)."""
+    receives) and ``chunk_bytes``; on a group of several ranks an error they raise is
+    kept, for this rank to raise once it has told the others in the call's first round:
+    raised at once, it left them waiting in that round, to pair it with this rank's next
+    call (defaults stand in for the arguments meanwhile, dst 0 for a refused ``dst``)."""
+    dst_error: Optional[Exception] = None
+    try:
+        if dst is not None or not dst_may_be_none:
+            dst = _args.rank(dst, "dst", fn, comm)
+    except Exception as exc:  # raised in its turn below, after the other arguments'
+        dst, dst_error = 0, exc
     try:
         checked = _check(fn, comm, results, size, order, indices, sampler)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
@@ -233,17 +239,12 @@ def _checked(
                 f"chunk_bytes must be a positive int, got {_args.show(chunk_bytes)}",
             )
         name = policy.serializer_of(serializer, fn, comm)
-        if dst is not None or not dst_may_be_none:
-            dst = _args.rank(dst, "dst", fn, comm)
+        if dst_error is not None:
+            raise dst_error
         return _Checked(checked, name, chunk_bytes, None, dst)
     except Exception as exc:  # a sampler or a results sequence may raise anything
         if comm.alone:
             raise
-        try:  # the others' dst, as far as this rank can tell
-            if dst is not None or not dst_may_be_none:
-                dst = _args.rank(dst, "dst", fn, comm)
-        except Exception:
-            dst = 0
         return _Checked(None, policy.serializer_of(None, fn, comm), CHUNK_BYTES, exc, dst)
 
 
