@@ -366,6 +366,31 @@ def test_bad_indices_on_one_rank_raise_on_every_rank_and_leave_them_in_step():
     assert dist.all_gather_object(rank) == list(range(size))
 
 
+@ranks(2, 3, timeout=30)
+def test_ranks_that_disagree_on_the_collector_or_its_dst_raise_at_once_on_every_rank():
+    """A dst unlike the others' raised the check of the status broadcast that followed
+    the first round (broadcast, src), dropping the collector's own; collect_results on
+    one rank and iter_results on another were a call number apart, so the check could
+    not pair them, and every rank waited out the timeout."""
+    rank, size = world()
+    last = size - 1
+    with pytest.raises(dist.CollectiveMismatchError) as info:
+        dist.collect_results([rank] * 2, 2 * size, dst=last if rank == last else 0)
+    said = str(info.value)
+    assert said.startswith("collect_results: ") and "They must agree on: dst." in said, said
+    assert f"rank {last}: collect_results(dst={last}, " in said, said
+    for streamed_last in (True, False):  # the last rank streams, or only the others do
+        with pytest.raises(dist.CollectiveMismatchError) as info:
+            if streamed_last == (rank == last):
+                list(dist.iter_results([rank] * 2, 2 * size))
+            else:
+                dist.collect_results([rank] * 2, 2 * size)
+        said = str(info.value)
+        assert "rank 0: collect_results(" in said or "rank 0: gather(" in said, said
+        assert f"rank {last}: {'gather' if streamed_last else 'collect_results'}(" in said, said
+    assert dist.all_gather_object(rank) == list(range(size))  # still in step
+
+
 class Broken:
     """A sampler whose order cannot be read (it raises RuntimeError)."""
 

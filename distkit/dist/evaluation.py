@@ -19,6 +19,7 @@ from distkit.dist.codec import wire as _wire
 from distkit.dist.core import args as _args
 from distkit.dist.core import layouts
 from distkit.dist.core.comm import Comm, GroupLike
+from distkit.dist.errors import CollectiveMismatchError
 from distkit.dist.guard import record as _record
 from distkit.utils.console import track
 
@@ -438,6 +439,8 @@ class _Collected:
                 gathered = comm.backend.all_gather_object(comm, payload, call)
             else:
                 gathered = comm.backend.gather_object(comm, payload, self.dst, call)
+        except CollectiveMismatchError:  # the ranks' checks disagree on the call (its
+            raise  # dst...): each raises that, and no round ran; the status would mismatch
         except Exception as exc:  # the round is over on every rank: tell, then raise
             if own is None:
                 own, told = exc, _stream.Failure.of(exc, fn)
@@ -751,7 +754,11 @@ def iter_results(
             own = None if plan.indices is None else [plan.indices]
             ranks, positions = _layout([len(results)], own, size, order, fn, comm)
             return _alone(results, ranks, positions)
-        seq = comm.enter(fn)  # the stream's call number on the group (hang reports)
+        # The stream's number on the group (hang reports) is that of its first collective
+        # (the plans' gather). It takes none of its own: collect_results takes none, and
+        # a rank in one of them while another is in the other would be a call apart, so
+        # the check could not pair (and refuse) them, and both waited out the timeout.
+        seq = comm.enter(fn, count=False) + 1
         try:
             opened = _stream.Opened(comm, fn, seq, checked_dst)
             return _open(opened, results, size, order, indices, chunk_bytes, call, refused)
