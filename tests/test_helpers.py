@@ -193,6 +193,61 @@ def test_all_reduce_dict_says_which_key_has_which_dtype_on_which_rank():
     assert same["loss"].item() == size
 
 
+@ranks(2, 3, timeout=30)
+def test_the_helpers_options_are_checked_at_every_call_not_only_the_first():
+    """The default check looks at the first calls of a line, and a helper's inner calls
+    (its layout check, one reduction per dtype) take those visits: a rank with another op
+    at a later call got the others' sums as its maxima (all_reduce_dict) with no error,
+    and another bucketing aborted the process in gloo (all_reduce_params)."""
+    rank, size = world()
+    last = size - 1
+    for call in range(6):
+        odd = rank == last and call == 4
+        data = {"a": torch.tensor([1.0 + rank, 10.0]), "n": torch.tensor([rank + 1])}
+        try:
+            dist.all_reduce_dict(data, op="max" if odd else "sum")
+        except ValueError as exc:
+            said = str(exc)
+            assert call == 4, (call, said)
+            assert (
+                f"op is sum on {'rank 0' if size == 2 else 'ranks 0, 1'} and max on rank {last}"
+                in said
+            )
+            assert (
+                f"\n  rank {last}: {{'a': torch.float32 (2,), 'n': torch.int64 (1,)}}, op=max\n"
+                in said
+            )
+            assert "Pass the same op on every rank" in said, said
+        else:
+            assert call != 4, "the op that differs was not caught"
+            assert data["a"].tolist() == [float(sum(range(1, size + 1))), 10.0 * size], call
+    for call in range(6):
+        odd = rank == last and call == 4
+        params = [torch.ones(4), torch.ones(2, 2)]
+        mib = 25 if rank else 25.0  # the same size: they agree
+        differs = {
+            "coalesce": dict(coalesce=not odd),
+            "bucket_size_mb": dict(bucket_size_mb=1e-6 if odd else mib),
+        }
+        for times, (option, kwargs) in enumerate(differs.items(), 1):
+            try:
+                dist.all_reduce_params(params, **{"bucket_size_mb": mib, **kwargs})
+            except ValueError as exc:
+                said = str(exc)
+                assert call == 4, (call, said)
+                assert f"the ranks disagree on {option}" in said, said
+                assert f"Pass the same {option}" in said, said
+            else:
+                assert call != 4, f"a {option} that differs was not caught"
+            want = 1 if call == 4 else size**times  # refused: untouched
+            assert all(torch.equal(p, torch.full_like(p, want)) for p in params), (call, option)
+    # keys that print alike (1 and "1") line up in any insertion order
+    keyed = {1: torch.tensor([1.0]), "1": torch.tensor([100.0])}
+    got = dist.all_reduce_dict(dict(reversed(keyed.items())) if rank else keyed)
+    assert got[1].item() == size and got["1"].item() == 100.0 * size
+    assert dist.all_gather_object(rank) == list(range(size))  # still in step
+
+
 @ranks(2, 3)
 def test_all_reduce_params_says_which_tensor_differs_on_which_rank():
     """Tensors of one total size in another shape or order were flattened into one bucket
@@ -388,6 +443,19 @@ def test_ranks_that_disagree_on_the_collector_or_its_dst_raise_at_once_on_every_
         said = str(info.value)
         assert "rank 0: collect_results(" in said or "rank 0: gather(" in said, said
         assert f"rank {last}: {'gather' if streamed_last else 'collect_results'}(" in said, said
+    # with dst=None each rank orders and cuts by its own size and order: they must agree
+    results = [f"s{i}" for i in range(rank, 2 * size, size)]
+    for what, kwargs in (("size", dict(size=size)), ("order", dict(order="contiguous"))):
+        with pytest.raises(ValueError) as info:
+            dist.collect_results(
+                results, **{"size": 2 * size, **(kwargs if rank == last else {})}, dst=None
+            )
+        said = str(info.value)
+        assert f"the ranks passed different {what}s: {what}=" in said, said
+        assert f"on rank {last}, and with dst=None" in said and f"(on rank {rank} of" in said, said
+    # with dst given, dst's own size counts (as in mmengine): no error
+    got = dist.collect_results(results, 2 * size if rank == 0 else size, dst=0)
+    assert got == ([f"s{i}" for i in range(2 * size)] if rank == 0 else None)
     assert dist.all_gather_object(rank) == list(range(size))  # still in step
 
 

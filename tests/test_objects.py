@@ -94,6 +94,46 @@ def test_all_gather_object_nested_structures():
         check_payload(obj, r)
 
 
+def tagged(rank: int) -> dict:
+    """Tensors with attributes of their own, as code sets them (a note, a model-parallel
+    flag on a parameter), small ones and one past the inline slot."""
+    t = torch.full((3,), float(rank))
+    t.note = f"rank {rank}"
+    t.meta = {"step": rank, "w": torch.tensor([rank])}
+    p = torch.nn.Parameter(torch.ones(2) * rank)
+    p.tensor_model_parallel = bool(rank % 2)
+    big = torch.zeros(70_000)
+    big.tag = rank
+    return {"t": t, "p": p, "big": big, "plain": torch.ones(1)}
+
+
+@ranks(*WORLDS)
+def test_a_tensors_own_attributes_travel_with_it():
+    """They were dropped on the way to other ranks (a single process kept them: it
+    returns the objects themselves), while torch's pickling, so mmengine's, keeps them."""
+    rank, size = world()
+    for serializer in ("pickle", "safe"):
+        out = dist.all_gather_object(tagged(rank), serializer=serializer)
+        for r, got in enumerate(out):
+            assert got["t"].note == f"rank {r}" and got["t"].meta["step"] == r, serializer
+            assert torch.equal(got["t"].meta["w"], torch.tensor([r]))
+            assert isinstance(got["p"], torch.nn.Parameter)
+            assert got["p"].tensor_model_parallel == bool(r % 2)
+            assert got["big"].tag == r and torch.equal(got["big"], torch.zeros(70_000))
+            assert got["plain"].__dict__ == {}
+    got = dist.broadcast_object(tagged(rank), src=size - 1)
+    assert got["t"].note == f"rank {size - 1}" and got["big"].tag == size - 1
+    # a name that hides one of the class's: pickle keeps it (as torch does), safe refuses
+    hides = torch.ones(1)
+    hides.inner = 5
+    assert dist.all_gather_object(hides, serializer="pickle")[-1].__dict__ == {"inner": 5}
+    if size > 1:  # (a single process decodes nothing: its own objects come back)
+        hidden = "a tensor attribute named 'inner', which would hide torch.Tensor.inner"
+        with pytest.raises(dist.UnsafeObjectError, match=hidden):
+            dist.all_gather_object(hides, serializer="safe")
+    assert dist.all_gather_object(rank) == list(range(size))
+
+
 @ranks(*WORLDS)
 def test_all_gather_object_plain_values_and_sizes():
     rank, size = world()

@@ -309,7 +309,7 @@ def collect_results(
             tensors in the results travel on the backend's device either way.
         tmpdir: Accepted for mmengine compatibility and ignored.
         dst: Rank (within ``group``) that gets the results; ``None`` gives them to every
-            rank.
+            rank, and then every rank must pass the same ``size`` and ``order``.
         group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         order: ``interleaved`` or ``contiguous``; ignored when ``indices`` is given.
         indices: Dataset index of each of this rank's results.
@@ -329,7 +329,8 @@ def collect_results(
             pickled (every rank raises).
         ValueError: Fewer than ``size`` results arrived, an index is out of range or
             missing, some ranks passed ``indices`` (or ``sampler``) and others did not
-            (every rank raises), ``order`` is unknown, ``indices``
+            (every rank raises), with ``dst=None`` the ranks passed different ``size``
+            or ``order`` (every rank raises), ``order`` is unknown, ``indices``
             (or the sampler's) has the wrong length, or both ``indices`` and ``sampler``
             were given.
         UnsafeObjectError: ``serializer="safe"`` refused what a rank sent (every rank
@@ -357,7 +358,9 @@ def collect_results(
             fn, comm, results, size, order, indices, sampler, serializer, dst
         )
         call = ObjectCall(fn, None, name)
-        collected = _Collected(comm, call, dst, results, indices, refused)
+        # order is ignored with indices (or a sampler)
+        shape = (size, order if indices is None else "") if dst is None else None
+        collected = _Collected(comm, call, dst, results, indices, refused, shape)
         steps: Iterable[int] = range(1, collected.step(0))  # the first round tells the rest
         if comm.rank == (dst or 0):
             steps = track(steps, "collect_results", delay=1.0, main_only=False)
@@ -368,6 +371,31 @@ def collect_results(
         if indices is not None:
             return _by_index(collected.parts, collected.index_parts, size, fn, comm)
         return _ordered(collected.parts, size, order, fn, comm)
+
+
+def _same_shape(fn: str, comm: Comm, shapes: list[Optional[tuple[int, str]]]) -> None:
+    """Raise on every rank (each compares them all) if the ranks' ``(size, order)``
+    differ; with ``dst=None`` each rank orders and cuts the results by its own."""
+    for what, at in (("size", 0), ("order", 1)):
+        seen: dict[str, list[int]] = {}
+        for r, shape in enumerate(shapes):
+            if shape is not None:
+                seen.setdefault(repr(shape[at]), []).append(r)
+        if len(seen) > 1:
+            said = " and ".join(
+                f"{value} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                for value, ranks in seen.items()
+            )
+            _args.fail(
+                ValueError,
+                fn,
+                comm,
+                f"the ranks passed different {what}s: {what}={said}, and with dst=None every "
+                f"rank orders and cuts the results by its own",
+                f"Pass the same {what} on every rank (e.g. len(dataset))"
+                if what == "size"
+                else "Pass the same order on every rank",
+            )
 
 
 def _window(results: Sequence, start: int, stop: int) -> Sequence:
@@ -402,9 +430,14 @@ class _Collected:
         results: Sequence,
         indices: Optional[list[int]],
         refused: Optional[Exception] = None,
+        shape: Optional[tuple[int, str]] = None,
     ) -> None:
         self.comm, self.call, self.dst = comm, call, dst
         self.results, self.indices = results, indices
+        # (size, order), which every rank compares in the first round with dst=None: each
+        # orders and cuts the results by its own, so ranks that differ would return
+        # different lists (or one of them raise alone that it got fewer than its size)
+        self.shape = shape
         self.refused = refused  # this rank's bad arguments: its first round tells them
         self.receiver = dst is None or comm.rank == dst
         self.parts: list[list] = [[] for _ in range(comm.size)]
@@ -423,16 +456,17 @@ class _Collected:
                 own = self.refused
                 text = f"rank {comm.rank} {_args.refused(own, fn, comm)}"
                 told = _stream.Failure(_args.error_code(own), text)
-                payload = ([], None, 0, (told.code, told.text))
+                payload = ([], None, 0, (told.code, told.text), None)
             else:
                 items = _window(results, start, stop)
                 idx = None if self.indices is None else self.indices[start:stop]
-                payload = (items, idx, len(results), None)
+                shape = self.shape if step == 0 else None
+                payload = (items, idx, len(results), None, shape)
         except _stream.ReadFailed as failed:
             own = failed.error
             told = _stream.read_error(failed.position, failed.error)
             told = told._replace(text=f"rank {comm.rank} {told.text}")
-            payload = ([], None, len(results), (told.code, told.text))
+            payload = ([], None, len(results), (told.code, told.text), None)
         gathered: Optional[list[Any]] = None
         try:
             if self.dst is None:
@@ -465,21 +499,23 @@ class _Collected:
         """Keep a round's results (on receivers); the number of rounds in all."""
         comm, fn = self.comm, self.call.fn
         for r, payload in enumerate(gathered):
-            failure = payload[3] if isinstance(payload, tuple) and len(payload) == 4 else None
+            failure = payload[3] if isinstance(payload, tuple) and len(payload) == 5 else None
             if failure is not None and r != comm.rank:
                 code, text = failure
                 _stream.Failure(code, text).raise_as(fn, comm, text)
         if step == 0:  # indices on some ranks only: every rank hears it from this round
-            passed = [idx is not None for _, idx, _, _ in gathered]
+            passed = [idx is not None for _, idx, _, _, _ in gathered]
             mixed = [r for r, p in enumerate(passed) if p != (self.indices is not None)]
             if mixed:
                 who = f"dst (rank {comm.rank})" if self.dst is not None else f"rank {comm.rank}"
                 raise _mixed(fn, comm, mixed[0], who)
-        for r, (res, idx, _, _) in enumerate(gathered):
+            if self.shape is not None:
+                _same_shape(fn, comm, [shape for _, _, _, _, shape in gathered])
+        for r, (res, idx, _, _, _) in enumerate(gathered):
             self.parts[r].extend(res)
             if idx is not None:
                 self.index_parts[r].extend(idx)
-        longest = max(count for _, _, count, _ in gathered)
+        longest = max(count for _, _, count, _, _ in gathered)
         return max(1, -(-longest // CHUNK_ITEMS))
 
     def _status(

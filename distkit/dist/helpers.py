@@ -79,6 +79,12 @@ _LIST = _Words(
 )
 
 
+def _order(key: Any) -> tuple[str, str, str]:
+    """Where ``key`` of a dict goes in the order every rank visits: by ``str``, then (for
+    keys that print alike, such as ``1`` and ``"1"``) by type and ``repr``."""
+    return str(key), type(key).__qualname__, repr(key)
+
+
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
@@ -157,9 +163,11 @@ def _same_layout(
     fn: str,
     words: _Words = _DICT,
     refused: Optional[Exception] = None,
+    options: Optional[dict[str, Any]] = None,
 ) -> None:
     """Check that every rank holds the same keys, dtypes and shapes (of a dict, or of a
-    list by position); raise on every rank.
+    list by position), and passed the same ``options`` (the op, the bucketing: what
+    decides the reductions that follow); raise on every rank.
 
     Different keys would otherwise line up silently (rank 0's ``b`` added to rank 1's
     ``c``) or hang; so would a list's tensors of one total size, flattened into one
@@ -168,13 +176,20 @@ def _same_layout(
     gather the layouts, to say which entry differs how, on which rank (by global rank,
     as the default check says it, with the rank in a sub-group beside it).
 
+    The options are in the digest, so this check (made at every call) catches them where
+    the default check does not look (a call site past its first calls: the helper's inner
+    calls take its visits): ranks with another op would reduce each other's values with
+    theirs, silently, and another bucketing would abort the backend.
+
     ``refused`` is this rank's own argument error (a value that is no tensor, an op its
     dtype refuses): this rank raises it, and every other rank one of its class naming
     this rank, instead of waiting in the reduction for this rank's next call.
     """
     if refused is None:
-        mine: Any = [(repr(k), str(data[k].dtype), tuple(data[k].shape)) for k in keys]
-        layout = "\n".join(f"{k}: {d} {s}" for k, d, s in mine)
+        shown = {name: str(value) for name, value in (options or {}).items()}
+        entries = [(repr(k), str(data[k].dtype), tuple(data[k].shape)) for k in keys]
+        mine: Any = (shown, entries)
+        layout = "\n".join([*(f"{k}: {d} {s}" for k, d, s in entries), repr(shown)])
         digest = hashlib.blake2b(layout.encode(), digest_size=7).digest()
         value = int.from_bytes(digest, "little")
     else:  # past any digest: no other rank's check can agree
@@ -184,13 +199,15 @@ def _same_layout(
     all_reduce(check, "max", comm.pg)
     if refused is None and check.tolist() == [value, -value]:
         return  # (ranks that all refused their arguments agree too: they go on)
-    layouts = all_gather_object(mine, comm.pg)
+    gathered = all_gather_object(mine, comm.pg)
     if refused is not None:
         raise refused
-    for r, got in enumerate(layouts):
-        if isinstance(got, tuple):  # its arguments: said as they are
+    for r, got in enumerate(gathered):
+        if isinstance(got[0], int):  # its arguments: said as they are
             code, text = got
             _args.fail(_args.REMOTE_ERRORS[code], fn, comm, f"rank {r} {text}")
+    chosen = [shown for shown, _ in gathered]
+    layouts = [entries for _, entries in gathered]
     label = group_label(comm)
     if label == "the default group":
         ranks, whose = list(range(comm.size)), "the ranks"
@@ -199,15 +216,28 @@ def _same_layout(
         ranks, whose = comm.global_ranks(), f"the ranks of {label}"
         names = [f"rank {g} (rank {r})" for r, g in enumerate(ranks)]
     problems, fixes = _differences(layouts, words, ranks)
+    # an option that does not apply on a rank (bucket_size_mb without coalesce) is unset
+    chosen = [{o: shown.get(o, "unset") for c in chosen for o in c} for shown in chosen]
+    differ = [o for o in chosen[0] if len({shown[o] for shown in chosen}) > 1]
+    for option in reversed(differ):  # first: they decide what the entries mean
+        values = dict(zip(ranks, (shown[option] for shown in chosen)))
+        problems.insert(0, f"{option} is {_by_value(values)}")
+    if differ:
+        fixes.insert(0, f"Pass the same {' and '.join(differ)} on every rank")
+    said = (
+        f"passed {words.passed}"
+        if len(problems) > len(differ)
+        else "disagree on " + " and ".join(differ)
+    )
     listing = "\n".join(
-        f"  {name}: {_entries(layout, words)}" for name, layout in zip(names, layouts)
+        f"  {name}: {_entries(layout, words)}" + "".join(f", {o}={shown[o]}" for o in differ)
+        for name, layout, shown in zip(names, layouts, chosen)
     )
     _args.fail(
         ValueError,
         fn,
         comm,
-        f"{whose} passed {words.passed}: {'; '.join(_listed(problems, 'differences'))}\n"
-        f"{listing}\n",
+        f"{whose} {said}: {'; '.join(_listed(problems, 'differences'))}\n{listing}\n",
         ". ".join(fixes),
     )
 
@@ -228,13 +258,15 @@ def all_reduce_dict(
     Collective: every rank in ``group`` must call this with the same keys.
     Single process: returns ``data`` unchanged.
 
-    Keys are visited in sorted order (by ``str``), so ranks that built their dicts in
-    different orders still line up. The tensors are updated in place (as in mmengine)
-    and the dict is returned. Values are flattened into one buffer per dtype and device,
-    so ten metrics cost one all_reduce, not ten, plus one 16-byte all_reduce first that
-    checks every rank holds the same keys, dtypes and shapes (else every rank raises
-    ``ValueError`` saying which key is missing, or has which dtype or shape, on which
-    rank, and what to do, rather than adding one rank's ``b`` to another's ``c``).
+    Keys are visited in sorted order (by ``str``, then type and ``repr``), so ranks that
+    built their dicts in different orders still line up. The tensors are updated in
+    place (as in mmengine) and the dict is returned. Values are flattened into one buffer
+    per dtype and device, so ten metrics cost one all_reduce, not ten, plus one 16-byte
+    all_reduce first that checks every rank holds the same keys, dtypes and shapes, and
+    passed the same ``op`` (else every rank raises ``ValueError`` saying which key is
+    missing, or has which dtype or shape, or which op, on which rank, and what to do,
+    rather than adding one rank's ``b`` to another's ``c``, or one rank's maximum to the
+    others' sums). The check runs at every call, not only where the default check looks.
 
     Args:
         data: Metric name to tensor (any shapes).
@@ -248,7 +280,7 @@ def all_reduce_dict(
         TypeError: ``data`` is not a mapping of tensors, or ``op`` does not apply to a
             value's dtype.
         ValueError: ``op`` is not a known name, or the ranks' dicts differ in keys,
-            dtypes or shapes.
+            dtypes or shapes, or their ``op``.
 
     Examples:
         >>> import torch
@@ -270,7 +302,7 @@ def all_reduce_dict(
                 TypeError, fn, comm, f"data must be a dict of tensors, got {_args.show(data)}"
             )
         rop = _args.op_of(op, fn, comm)
-        keys = sorted(data, key=str)
+        keys = sorted(data, key=_order)
         for k in keys:
             _args.tensor(data[k], f"data[{k!r}]", fn, comm)
             _args.check_dtype(rop, data[k], f"data[{k!r}]", fn, comm)
@@ -285,7 +317,7 @@ def all_reduce_dict(
     with _record.collector(fn, data.values()):  # one call in a profile
         if comm.alone:
             return data
-        _same_layout(data, keys, comm, fn)
+        _same_layout(data, keys, comm, fn, options={"op": rop.name})
         if keys:
             _reduce_coalesced([data[k] for k in keys], rop.name, comm.pg, -1)
     return data
@@ -305,9 +337,11 @@ def all_reduce_params(
     Single process: returns the tensors unchanged.
 
     One 16-byte all_reduce first checks that every rank passed as many tensors, with the
-    same dtypes and shapes, in the same order: else every rank raises ``ValueError``
-    saying which tensor differs how on which rank (tensors of one total size would
-    otherwise be flattened into one bucket and added across each other silently).
+    same dtypes and shapes, in the same order, and the same ``op``, ``coalesce`` and
+    bucket size: else every rank raises ``ValueError`` saying what differs how on which
+    rank (tensors of one total size would otherwise be flattened into one bucket and
+    added across each other silently, and another bucketing aborts the backend). The
+    check runs at every call, not only where the default check looks.
 
     Args:
         params: Tensors or ``nn.Parameter`` s, e.g. ``model.parameters()`` (a generator
@@ -324,7 +358,7 @@ def all_reduce_params(
     Raises:
         TypeError: An element is not a tensor, or ``op`` does not apply to its dtype.
         ValueError: ``op`` is not a known name, or the ranks' tensors differ in number,
-            dtypes or shapes.
+            dtypes or shapes, or their ``op``, ``coalesce`` or ``bucket_size_mb``.
 
     Examples:
         >>> import torch
@@ -364,9 +398,12 @@ def all_reduce_params(
         if comm.alone:
             return tensors
         data = [t.data for t in tensors]
-        _same_layout(data, list(range(len(data))), comm, fn, _LIST)
+        bucket_bytes = int(bucket_size_mb * 1024 * 1024) if bucket_size_mb > 0 else -1
+        options: dict[str, Any] = {"op": rop.name, "coalesce": bool(coalesce)}
         if coalesce:
-            bucket_bytes = int(bucket_size_mb * 1024 * 1024) if bucket_size_mb > 0 else -1
+            options["bucket_size_mb"] = bucket_bytes / 2**20 if bucket_bytes > 0 else -1
+        _same_layout(data, list(range(len(data))), comm, fn, _LIST, options=options)
+        if coalesce:
             _reduce_coalesced(data, rop.name, group, bucket_bytes)
         else:
             for t in data:

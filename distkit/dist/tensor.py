@@ -677,7 +677,9 @@ def all_to_all_single(
         output_split_sizes: Rows to receive from each rank. ``None`` infers them: from
             the other ranks' ``input_split_sizes`` when ``input_split_sizes`` is given
             (they travel beside the data, with each rank's dtype and row shape, which
-            every rank checks), else an even split.
+            every rank checks), else an even split. With neither given, equal pieces
+            move with no header, as in ``all_reduce``: the ranks' dtypes and shapes
+            must match, and the default check (debug mode: every call) compares them.
         input_split_sizes: Rows to send to each rank; ``None`` splits ``data`` evenly.
         group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
         async_op: Return a :class:`~distkit.dist.Handle` whose ``wait()`` returns the tensor.
@@ -687,11 +689,12 @@ def all_to_all_single(
 
     Raises:
         TypeError: ``data`` is not a tensor, or split sizes are not lists of ints; or,
-            with the output sizes inferred, ranks passed different dtypes (on every rank).
+            with the output sizes inferred from ``input_split_sizes``, ranks passed
+            different dtypes (on every rank).
         ValueError: Split sizes have the wrong length, are negative, or do not sum to the
             rows of ``data``; or ``data`` does not split evenly when no sizes are given;
-            or, with the output sizes inferred, ranks' rows (``data.shape[1:]``) differ
-            (on every rank).
+            or, with the output sizes inferred from ``input_split_sizes``, ranks' rows
+            (``data.shape[1:]``) differ (on every rank).
 
     Examples:
         >>> import torch

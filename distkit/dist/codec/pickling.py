@@ -66,7 +66,8 @@ class _Probe(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) in TENSOR_TYPES and sendable(obj):
-            return _placeholder, ()
+            attrs = obj.__dict__  # its attributes travel with it (see wire.attributes)
+            return _placeholder, (dict(attrs),) if attrs else ()
         if isinstance(obj, Tensor) and is_dtensor(obj):  # sent as its local shard
             return self.reducer_override(obj.to_local())  # type: ignore[attr-defined]
         return NotImplemented
