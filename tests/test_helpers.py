@@ -241,6 +241,11 @@ def test_the_helpers_options_are_checked_at_every_call_not_only_the_first():
                 assert call != 4, f"a {option} that differs was not caught"
             want = 1 if call == 4 else size**times  # refused: untouched
             assert all(torch.equal(p, torch.full_like(p, want)) for p in params), (call, option)
+    # no limit, said two ways, agrees; NaN is refused, on every rank
+    limits = dist.all_reduce_params([torch.ones(2)], bucket_size_mb=-1 if rank else float("inf"))
+    assert torch.equal(limits[0], torch.full((2,), float(size)))
+    with pytest.raises(ValueError, match="bucket_size_mb must be a number of MiB, got nan"):
+        dist.all_reduce_params([torch.ones(2)], bucket_size_mb=float("nan") if rank == last else 1)
     # keys that print alike (1 and "1") line up in any insertion order
     keyed = {1: torch.tensor([1.0]), "1": torch.tensor([100.0])}
     got = dist.all_reduce_dict(dict(reversed(keyed.items())) if rank else keyed)

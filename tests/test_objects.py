@@ -131,6 +131,23 @@ def test_a_tensors_own_attributes_travel_with_it():
         hidden = "a tensor attribute named 'inner', which would hide torch.Tensor.inner"
         with pytest.raises(dist.UnsafeObjectError, match=hidden):
             dist.all_gather_object(hides, serializer="safe")
+    # attributes that lead back to the tensor: references to it, not copies (nor an
+    # endless recursion: they travel once the tensor is known)
+    me = torch.full((70_000,), float(rank))
+    me.me, me.meta = me, {"self": me}
+    u, w = torch.ones(2), torch.zeros(2)
+    u.w, w.u = w, u
+    for serializer in ("pickle", "safe"):
+        for r, (a, b) in enumerate(dist.all_gather_object([me, u], serializer=serializer)):
+            assert a.me is a and a.meta["self"] is a and b.w.u is b, serializer
+            assert torch.equal(a, torch.full((70_000,), float(r)))
+    # an attribute that cannot be pickled: the same error in every world (a bare tensor
+    # in a single process returns at once, as documented: its shortcut does not look)
+    bad = torch.ones(2)
+    bad.fn = lambda: 1
+    for data in ([bad], {"t": bad}) + ((bad,) if size > 1 else ()):
+        with pytest.raises(TypeError, match=r"\.fn \(function\) cannot be pickled"):
+            dist.all_gather_object(data)
     assert dist.all_gather_object(rank) == list(range(size))
 
 

@@ -348,7 +348,8 @@ def all_reduce_params(
             is fine); parameters are reduced through ``.data``.
         coalesce: Flatten tensors of one dtype into buckets (one all_reduce per bucket)
             instead of one all_reduce per tensor.
-        bucket_size_mb: Bucket size limit in MiB; ``-1`` puts each dtype in one bucket.
+        bucket_size_mb: Bucket size limit in MiB; ``-1`` (any size up to 0, or ``inf``)
+            puts each dtype in one bucket.
         op: Any op of :func:`all_reduce`.
         group: See :data:`~distkit.dist.GroupLike` (``None``: the default group).
 
@@ -372,7 +373,7 @@ def all_reduce_params(
     comm = resolve(group, fn)
     tensors = list(params)
 
-    def checked() -> _args.Op:
+    def checked() -> tuple[_args.Op, int]:
         rop = _args.op_of(op, fn, comm)
         _args.flag(coalesce, "coalesce", fn, comm)
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
@@ -383,13 +384,23 @@ def all_reduce_params(
                 f"bucket_size_mb must be a number, got {_args.show(bucket_size_mb)}",
                 "Pass a size in MiB, or -1 for one bucket per dtype",
             )
+        if bucket_size_mb != bucket_size_mb:  # NaN
+            _args.fail(
+                ValueError,
+                fn,
+                comm,
+                "bucket_size_mb must be a number of MiB, got nan",
+                "Pass a size in MiB, or -1 (or inf) for one bucket per dtype",
+            )
         for i, t in enumerate(tensors):
             _args.tensor(t, f"params[{i}]", fn, comm)
             _args.check_dtype(rop, t, f"params[{i}]", fn, comm)
-        return rop
+        # -1 (any size <= 0) and inf: no limit, one bucket per dtype
+        limited = 0 < bucket_size_mb < float("inf")
+        return rop, int(bucket_size_mb * 1024 * 1024) if limited else -1
 
     try:
-        rop = checked()
+        rop, bucket_bytes = checked()
     except (TypeError, ValueError) as refused:  # on a group: said to every rank first
         if comm.alone:
             raise
@@ -398,7 +409,6 @@ def all_reduce_params(
         if comm.alone:
             return tensors
         data = [t.data for t in tensors]
-        bucket_bytes = int(bucket_size_mb * 1024 * 1024) if bucket_size_mb > 0 else -1
         options: dict[str, Any] = {"op": rop.name, "coalesce": bool(coalesce)}
         if coalesce:
             options["bucket_size_mb"] = bucket_bytes / 2**20 if bucket_bytes > 0 else -1

@@ -429,8 +429,38 @@ def _build_scalar(dtype: str, data: bytes) -> Any:
     return _SCALAR[0](_DTYPES.get(dtype) or numpy_dtype(dtype), data)
 
 
+def tensor_attributes(tensor: Any, attrs: dict) -> None:
+    """Give a received tensor its own attributes (a wire global, the state setter of a
+    tensor that had attributes: see the encoder)."""
+    tensor.__dict__.update(attrs)
+
+
 #: The builders of the wire globals above, for payloads that were checked or are trusted.
-BUILDERS = {"numpy_array": _build_array, "numpy_scalar": _build_scalar}
+BUILDERS = {
+    "numpy_array": _build_array,
+    "numpy_scalar": _build_scalar,
+    "tensor_attributes": tensor_attributes,
+}
+
+
+def _check_tensor_attributes(*args: Any) -> None:
+    """New names only: an attribute that hides one of the class's (``t.inner = 5``
+    hides ``torch.Tensor.inner``) would change what the tensor does."""
+    import torch
+
+    _nargs("tensor_attributes", args, 2, 2)
+    if _kind(args[0]) != "torch.Tensor":
+        _fail(f"tensor_attributes gives a tensor attributes, got {_describe(_kind(args[0]))}")
+    if type(args[1]) is not dict:
+        _fail(f"a tensor's attributes are a dict, got {_describe(_kind(args[1]))}")
+    for name in args[1]:
+        if type(name) is not str or not name.isidentifier():
+            _fail(f"a tensor attribute is named by an identifier, got {name!r}")
+        for cls in (torch.Tensor, torch.nn.Parameter):
+            if hasattr(cls, name):
+                _fail(
+                    f"a tensor attribute named {name!r}, which would hide {_describe(cls)}.{name}"
+                )
 
 
 def _check_numpy_array(*args: Any) -> None:
@@ -502,6 +532,12 @@ CONSTRUCTORS: dict[tuple[str, str], tuple[Any, Callable[..., None], Any, str]] =
         "",
     ),
     ("distkit.dist.codec.builders", "numpy_dtype"): (numpy_dtype, _check_numpy_dtype, "dtype", ""),
+    ("distkit.dist.codec.builders", "tensor_attributes"): (
+        tensor_attributes,
+        _check_tensor_attributes,
+        "None",
+        "",
+    ),
 }
 
 

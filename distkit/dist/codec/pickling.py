@@ -66,8 +66,8 @@ class _Probe(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) in TENSOR_TYPES and sendable(obj):
-            attrs = obj.__dict__  # its attributes travel with it (see wire.attributes)
-            return _placeholder, (dict(attrs),) if attrs else ()
+            attrs = obj.__dict__  # its attributes travel with it (see wire._with_attributes)
+            return (_placeholder, (), dict(attrs)) if attrs else (_placeholder, ())
         if isinstance(obj, Tensor) and is_dtensor(obj):  # sent as its local shard
             return self.reducer_override(obj.to_local())  # type: ignore[attr-defined]
         return NotImplemented
@@ -166,7 +166,10 @@ def _trivially_picklable(obj: Any) -> bool:
             return False
         for value in values:
             kind = type(value)
-            if kind not in ATOMS and kind is not Tensor:
+            if kind is Tensor:
+                if value.__dict__:  # attributes of its own, which travel too: probed
+                    return False
+            elif kind not in ATOMS:
                 if kind not in _CONTAINERS:
                     return False
                 pending.append(value)

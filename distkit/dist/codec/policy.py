@@ -33,7 +33,10 @@ SAFE_GLOBALS = frozenset(
     + [("decimal", "Decimal"), ("fractions", "Fraction")]
     + [("torch", "Size"), ("torch", "device")]
     + [("distkit.dist.codec.wire", "_tensor_ref")]
-    + [("distkit.dist.codec.builders", n) for n in ("numpy_array", "numpy_scalar", "numpy_dtype")]
+    + [
+        ("distkit.dist.codec.builders", n)
+        for n in ("numpy_array", "numpy_scalar", "numpy_dtype", "tensor_attributes")
+    ]
 )
 
 

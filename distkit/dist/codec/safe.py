@@ -125,11 +125,6 @@ class Tensors:
         """The tensor of a checked reference."""
         raise NotImplementedError
 
-    def finish(self, tensor: Any, args: tuple) -> Any:
-        """The tensor built for a reference, completed with what the reference's real
-        ``args`` hold (its attributes)."""
-        return tensor
-
 
 def load(skeleton: bytes, buffers: list, tensors: Tensors, budget: Budget) -> Any:
     """Decode ``skeleton`` (a pickle) under the safe serializer; see the module docstring.
@@ -156,11 +151,7 @@ def load(skeleton: bytes, buffers: list, tensors: Tensors, budget: Budget) -> An
     run(lambda: _plain_data(_Stubs(skeleton, buffers, stand_in)))
     # the tensors are built here, on this thread (its device, its streams), never in `run`
     built = {index: tensors.build(key, budget) for index, key in keys.items()}
-    return run(
-        lambda: _Objects(
-            skeleton, buffers, lambda *args: tensors.finish(built.pop(args[0]), args)
-        ).load()
-    )
+    return run(lambda: _Objects(skeleton, buffers, lambda *args: built.pop(args[0])).load())
 
 
 def _plain_data(unpickler: _Unpickler) -> Any:

@@ -72,14 +72,18 @@ APART_INLINE = 1 << 20
 _PARAMETER = torch.nn.Parameter
 
 
-def attributes(t: Tensor) -> Optional[dict]:
-    """A tensor's own Python attributes (``t.note = ...``, a parameter's flags), which
-    travel with it as torch's pickling keeps them; ``None`` when it has none."""
-    try:
-        attrs = t.__dict__
-    except AttributeError:  # pragma: no cover - every torch tensor has a __dict__
-        return None
-    return dict(attrs) if attrs else None
+def _with_attributes(meta: tuple, t: Tensor) -> tuple:
+    """The reduction of tensor ``t`` (its reference ``meta``), with its own Python
+    attributes (``t.note = ...``, a parameter's flags), as torch's pickling keeps them.
+
+    They travel as the reduction's state, set by a state setter once the tensor is in
+    the pickle's memo, so attributes that lead back to the tensor (``t.me = t``) are a
+    reference to it, not a second copy or an endless recursion.
+    """
+    attrs = t.__dict__
+    if not attrs:
+        return _tensor_ref, meta
+    return _tensor_ref, meta, dict(attrs), None, None, builders.tensor_attributes
 
 
 def _tensor_ref(*args: Any) -> NoReturn:
@@ -175,7 +179,7 @@ class _Encoder(pickle.Pickler):
             self.blobs.append(obj)
             place = DEV_BLOB if obj.device.type == self.dev_type else CPU_BLOB
             self.places.append(place)
-            meta: tuple = (
+            meta = (
                 index,
                 str(obj.dtype).replace("torch.", ""),
                 tuple(obj.shape),
@@ -183,8 +187,7 @@ class _Encoder(pickle.Pickler):
                 cls is _PARAMETER,
                 obj.device.type,
             )
-            attrs = attributes(obj)
-            return _tensor_ref, meta if attrs is None else (*meta, attrs)
+            return _with_attributes(meta, obj)
         if cls is not Tensor and isinstance(obj, Tensor) and _pickling.is_dtensor(obj):
             # a DTensor travels as this rank's shard, a plain tensor: pickling it whole
             # would pickle its DeviceMesh (process groups cannot travel; torch warns)
@@ -478,20 +481,9 @@ class _Blobs(_safe.Tensors):
         self.targets: dict[str, Optional[torch.device]] = {}
 
     def check(self, args: tuple) -> _Ref:
-        if len(args) not in (6, 7):
-            raise Refused(f"a tensor reference takes 6 or 7 arguments, got {len(args)}")
-        index, name, shape, grad, param, dev_type = args[:6]
-        if len(args) == 7:  # its attributes (safe: names that hide nothing of the class)
-            attrs = args[6]
-            if type(attrs) is not dict or not all(type(k) is str for k in attrs):
-                raise Refused(f"a tensor's attributes are a dict of names, got {attrs!r}")
-            cls = _PARAMETER if param is True else Tensor
-            hiding = [k for k in attrs if not k.isidentifier() or hasattr(cls, k)]
-            if self.safe and hiding:
-                raise Refused(
-                    f"a tensor attribute named {hiding[0]!r}, which would hide "
-                    f"{cls.__module__}.{cls.__qualname__}.{hiding[0]}"
-                )
+        if len(args) != 6:
+            raise Refused(f"a tensor reference takes 6 arguments, got {len(args)}")
+        index, name, shape, grad, param, dev_type = args
         if type(index) is not int or not 0 <= index < len(self.spans) or index in self.used:
             raise Refused(f"a tensor reference to blob {index!r} of {len(self.spans)}, or twice")
         place, _, size = self.spans[index]
@@ -555,19 +547,9 @@ class _Blobs(_safe.Tensors):
             return _PARAMETER(t, requires_grad=grad)
         return t.requires_grad_(True) if grad else t
 
-    def finish(self, tensor: Any, args: tuple) -> Any:
-        return with_attributes(tensor, args)
-
     def reference(self, *args: Any) -> Tensor:
         """The ``_tensor_ref`` global of the ``pickle`` serializer: check, then build."""
-        return with_attributes(self.build(self.check(args), None), args)
-
-
-def with_attributes(t: Tensor, args: tuple) -> Tensor:
-    """``t`` with the attributes its reference ``args`` carry (checked: new names)."""
-    if len(args) == 7:
-        t.__dict__.update(args[6])
-    return t
+        return self.build(self.check(args), None)
 
 
 class _Decoder(pickle.Unpickler):
@@ -788,9 +770,8 @@ class _Sizer(pickle.Pickler):
         if (cls is Tensor or cls is _PARAMETER) and _pickling.sendable(obj):
             self.blobs += 1
             self.blob_bytes += _align(obj.numel() * obj.element_size())
-            meta: tuple = (self.blobs, str(obj.dtype), tuple(obj.shape), False, False, "cpu")
-            attrs = attributes(obj)
-            return _tensor_ref, meta if attrs is None else (*meta, attrs)
+            meta = (self.blobs, str(obj.dtype), tuple(obj.shape), False, False, "cpu")
+            return _with_attributes(meta, obj)
         return NotImplemented
 
 
