@@ -377,15 +377,9 @@ def _same_shape(fn: str, comm: Comm, shapes: list[Optional[tuple[int, str]]]) ->
     """Raise on every rank (each compares them all) if the ranks' ``(size, order)``
     differ; with ``dst=None`` each rank orders and cuts the results by its own."""
     for what, at in (("size", 0), ("order", 1)):
-        seen: dict[str, list[int]] = {}
-        for r, shape in enumerate(shapes):
-            if shape is not None:
-                seen.setdefault(repr(shape[at]), []).append(r)
-        if len(seen) > 1:
-            said = " and ".join(
-                f"{value} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-                for value, ranks in seen.items()
-            )
+        seen = {r: repr(shape[at]) for r, shape in enumerate(shapes) if shape is not None}
+        if len(set(seen.values())) > 1:
+            said = _args.by_value(seen)
             _args.fail(
                 ValueError,
                 fn,

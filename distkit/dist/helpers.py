@@ -85,19 +85,6 @@ def _order(key: Any) -> tuple[str, str, str]:
     return str(key), type(key).__qualname__, repr(key)
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _by_value(values: dict[int, Any]) -> str:
-    """``{rank: value}`` as ``a on ranks 0, 2 and b on rank 1`` (first seen first)."""
-    groups: dict[str, list[int]] = {}
-    for rank, value in values.items():
-        groups.setdefault(str(value), []).append(rank)
-    parts = [f"{value} on {_ranks(ranks)}" for value, ranks in groups.items()]
-    return ", ".join(parts[:-1]) + " and " + parts[-1]
-
-
 def _promoted(names: list[str]) -> Optional[str]:
     """The dtype torch promotes the named dtypes to, or ``None`` (float8 has no promotion)."""
     try:
@@ -122,13 +109,13 @@ def _differences(
     missing = {k: [r for r in every if r not in held] for k, held in per_key.items()}
     missing = {k: lacking for k, lacking in missing.items() if lacking}
     for key, lacking in missing.items():
-        problems.append(words.missing.format(key=key, name=name, ranks=_ranks(lacking)))
+        problems.append(words.missing.format(key=key, name=name, ranks=_args.ranks_said(lacking)))
     if missing:
         fixes.append(words.fix_missing)
     dtypes = {k: {r: d for r, (d, _) in held.items()} for k, held in per_key.items()}
     dtypes = {k: found for k, found in dtypes.items() if len(set(found.values())) > 1}
     for key, found in dtypes.items():
-        problems.append(f"{name}[{key}] is {_by_value(found)}")
+        problems.append(f"{name}[{key}] is {_args.by_value(found)}")
         fix = f"Give {name}[{key}] one dtype on every rank: cast it before the call"
         common = _promoted(sorted(set(found.values())))
         if common:
@@ -137,7 +124,7 @@ def _differences(
     shapes = {k: {r: s for r, (_, s) in held.items()} for k, held in per_key.items()}
     shapes = {k: seen for k, seen in shapes.items() if len(set(seen.values())) > 1}
     for key, seen in shapes.items():
-        problems.append(f"{name}[{key}] has shape {_by_value(seen)}")
+        problems.append(f"{name}[{key}] has shape {_args.by_value(seen)}")
     if shapes:
         fixes.append(
             f"Give each {words.entry} one shape on every rank (its values add up element by "
@@ -216,12 +203,10 @@ def _same_layout(
         ranks, whose = comm.global_ranks(), f"the ranks of {label}"
         names = [f"rank {g} (rank {r})" for r, g in enumerate(ranks)]
     problems, fixes = _differences(layouts, words, ranks)
-    # an option that does not apply on a rank (bucket_size_mb without coalesce) is unset
-    chosen = [{o: shown.get(o, "unset") for c in chosen for o in c} for shown in chosen]
     differ = [o for o in chosen[0] if len({shown[o] for shown in chosen}) > 1]
     for option in reversed(differ):  # first: they decide what the entries mean
         values = dict(zip(ranks, (shown[option] for shown in chosen)))
-        problems.insert(0, f"{option} is {_by_value(values)}")
+        problems.insert(0, f"{option} is {_args.by_value(values)}")
     if differ:
         fixes.insert(0, f"Pass the same {' and '.join(differ)} on every rank")
     said = (
@@ -410,8 +395,11 @@ def all_reduce_params(
             return tensors
         data = [t.data for t in tensors]
         options: dict[str, Any] = {"op": rop.name, "coalesce": bool(coalesce)}
-        if coalesce:
-            options["bucket_size_mb"] = bucket_bytes / 2**20 if bucket_bytes > 0 else -1
+        # every rank names the same options (the digest compares them all): without
+        # coalesce the bucket size does not apply
+        options["bucket_size_mb"] = (
+            (bucket_bytes / 2**20 if bucket_bytes > 0 else -1) if coalesce else "unset"
+        )
         _same_layout(data, list(range(len(data))), comm, fn, _LIST, options=options)
         if coalesce:
             _reduce_coalesced(data, rop.name, group, bucket_bytes)

@@ -97,6 +97,20 @@ def remote_failure(code: int, fn: str, comm: Where, what: str) -> NoReturn:
     fail(kind, fn, comm, what)
 
 
+def ranks_said(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks 0, 2``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def by_value(values: dict[int, Any]) -> str:
+    """``{rank: value}`` as ``a on ranks 0, 2 and b on rank 1`` (first seen first)."""
+    groups: dict[str, list[int]] = {}
+    for rank, value in values.items():
+        groups.setdefault(str(value), []).append(rank)
+    parts = [f"{value} on {ranks_said(ranks)}" for value, ranks in groups.items()]
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
 def show(value: Any) -> str:
     """A short description of a bad argument for an error message."""
     if isinstance(value, Tensor):
