@@ -253,6 +253,40 @@ def test_the_helpers_options_are_checked_at_every_call_not_only_the_first():
     assert dist.all_gather_object(rank) == list(range(size))  # still in step
 
 
+@ranks(*WORLDS)
+def test_all_reduce_dict_keys_are_spelled_alike_in_every_process_or_refused():
+    """A frozenset key's repr lists its members in hash-table order, which differs between
+    processes (and here by insertion order: 0 and 8 share a slot), so equal dicts were
+    refused as different keys. Two keys of one type that print alike (NaNs) were paired
+    by insertion order, silently."""
+    rank, size = world()
+    members = [8, 0] if rank % 2 else [0, 8]
+    assert (repr(frozenset(members)) == "frozenset({8, 0})") == bool(rank % 2)
+    data = {frozenset(members): torch.tensor([1.0]), ("k", frozenset(members)): torch.ones(2)}
+    got = dist.all_reduce_dict(data)
+    assert got[frozenset([0, 8])].tolist() == [float(size)]
+    assert got[("k", frozenset([0, 8]))].tolist() == [float(size)] * 2
+    nans = {float("nan"): torch.tensor([1.0]), float("nan"): torch.tensor([2.0])}
+    assert len(nans) == 2
+    with pytest.raises(
+        ValueError,
+        match=r"data has two keys of type float that print alike "
+        r"\(nan\): the ranks cannot tell which of them is which",
+    ) as info:
+        dist.all_reduce_dict(nans)
+    if dist.is_distributed():
+        assert f"(on rank {rank} of {size})" in str(info.value)
+    assert [t.item() for t in nans.values()] == [1.0, 2.0]  # untouched
+    # on one rank only: every rank raises, naming it
+    last = size - 1
+    odd = nans if rank == last else {"x": torch.tensor([1.0]), "y": torch.ones(1)}
+    with pytest.raises(ValueError, match="two keys of type float that print alike") as info:
+        dist.all_reduce_dict(odd)
+    if rank != last:
+        assert f"rank {last} " in str(info.value), str(info.value)
+    assert dist.all_gather_object(rank) == list(range(size))  # still in step
+
+
 @ranks(2, 3)
 def test_all_reduce_params_says_which_tensor_differs_on_which_rank():
     """Tensors of one total size in another shape or order were flattened into one bucket

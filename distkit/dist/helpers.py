@@ -79,10 +79,55 @@ _LIST = _Words(
 )
 
 
+def _spelled(key: Any) -> str:
+    """``repr(key)``, the same in every process: a frozenset's members (in a tuple too)
+    sorted, where ``repr`` lists them in an order that depends on the process's hash
+    seed (strings hash differently in each), so two ranks would spell one key two ways."""
+    if isinstance(key, frozenset):
+        members = ", ".join(sorted(_spelled(k) for k in key))
+        return f"{type(key).__name__}({{{members}}})" if key else f"{type(key).__name__}()"
+    if type(key) is tuple:
+        parts = [_spelled(k) for k in key]
+        return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+    return repr(key)
+
+
 def _order(key: Any) -> tuple[str, str, str]:
     """Where ``key`` of a dict goes in the order every rank visits: by ``str``, then (for
-    keys that print alike, such as ``1`` and ``"1"``) by type and ``repr``."""
+    keys that print alike, such as ``1`` and ``"1"``) by type and ``repr`` (spelled alike
+    in every process: see :func:`_spelled`)."""
+    if isinstance(key, (tuple, frozenset)):  # their str is their repr
+        said = _spelled(key)
+        return said, type(key).__qualname__, said
     return str(key), type(key).__qualname__, repr(key)
+
+
+_STRINGS = {str}
+
+
+def _sorted_keys(data: Mapping[Any, Any], fn: str, comm: Comm) -> list[Any]:
+    """``data``'s keys in the order every rank visits them; refuses two keys that print
+    alike and are of one type (two NaNs, objects whose ``repr`` leaves out what tells
+    them apart): nothing that crosses between ranks says which of them is which, so their
+    values would be paired by where the dict happens to hold them."""
+    if {*map(type, data)} <= _STRINGS:  # the usual dict of metrics: sorted as by _order
+        return sorted(data)
+    spelled = {_order(k): k for k in data}
+    if len(spelled) < len(data):
+        seen: dict[tuple[str, str, str], Any] = {}
+        for key in data:
+            said = _order(key)
+            if said in seen:
+                _args.fail(
+                    ValueError,
+                    fn,
+                    comm,
+                    f"data has two keys of type {said[1]} that print alike ({said[2]}): the "
+                    "ranks cannot tell which of them is which",
+                    "Give every key a str or repr of its own (e.g. use strings as keys)",
+                )
+            seen[said] = key
+    return [spelled[said] for said in sorted(spelled)]
 
 
 def _promoted(names: list[str]) -> Optional[str]:
@@ -174,7 +219,7 @@ def _same_layout(
     """
     if refused is None:
         shown = {name: str(value) for name, value in (options or {}).items()}
-        entries = [(repr(k), str(data[k].dtype), tuple(data[k].shape)) for k in keys]
+        entries = [(_spelled(k), str(data[k].dtype), tuple(data[k].shape)) for k in keys]
         mine: Any = (shown, entries)
         layout = "\n".join([*(f"{k}: {d} {s}" for k, d, s in entries), repr(shown)])
         digest = hashlib.blake2b(layout.encode(), digest_size=7).digest()
@@ -244,7 +289,8 @@ def all_reduce_dict(
     Single process: returns ``data`` unchanged.
 
     Keys are visited in sorted order (by ``str``, then type and ``repr``), so ranks that
-    built their dicts in different orders still line up. The tensors are updated in
+    built their dicts in different orders still line up; two keys of one type that print
+    alike (two NaNs) are refused, as no rank could tell which is which. The tensors are updated in
     place (as in mmengine) and the dict is returned. Values are flattened into one buffer
     per dtype and device, so ten metrics cost one all_reduce, not ten, plus one 16-byte
     all_reduce first that checks every rank holds the same keys, dtypes and shapes, and
@@ -264,8 +310,8 @@ def all_reduce_dict(
     Raises:
         TypeError: ``data`` is not a mapping of tensors, or ``op`` does not apply to a
             value's dtype.
-        ValueError: ``op`` is not a known name, or the ranks' dicts differ in keys,
-            dtypes or shapes, or their ``op``.
+        ValueError: ``op`` is not a known name, two keys of one type print alike, or
+            the ranks' dicts differ in keys, dtypes or shapes, or their ``op``.
 
     Examples:
         >>> import torch
@@ -287,7 +333,7 @@ def all_reduce_dict(
                 TypeError, fn, comm, f"data must be a dict of tensors, got {_args.show(data)}"
             )
         rop = _args.op_of(op, fn, comm)
-        keys = sorted(data, key=_order)
+        keys = _sorted_keys(data, fn, comm)
         for k in keys:
             _args.tensor(data[k], f"data[{k!r}]", fn, comm)
             _args.check_dtype(rop, data[k], f"data[{k!r}]", fn, comm)
