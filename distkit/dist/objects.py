@@ -320,8 +320,8 @@ def scatter_object_list(
     if comm.rank == src:  # only src has data: its mistakes must reach the other ranks
         try:
             data = _args.object_list(data, fn, comm)
-        except (TypeError, ValueError) as exc:
-            error = exc
+        except (TypeError, ValueError) as exc:  # the others: "rank <src> passed bad arguments"
+            error = exc if comm.alone else Refused(exc, _args.refused(exc, fn, comm))
     return comm.backend.scatter_object(comm, data, src, call, error)
 
 

@@ -99,12 +99,16 @@ def _slot(
     enc: Optional[Encoded],
     error: Optional[Exception],
     ch: _Channel,
+    fn: str,
     flags: tuple[bool, bool] = (False, False),
 ) -> Tensor:
-    """One rank's first-round slot: a 64-byte header, then the inline CPU part."""
+    """One rank's first-round slot: a 64-byte header, then the inline CPU part (or this
+    rank's error, as the others say it after ``rank <r> ``: without the call's name and
+    this rank's place, which their own message gives)."""
     raw = bytearray(SLOT_BYTES)
     if error is not None:
-        message = str(error).encode()[:INLINE_BYTES]
+        said = str(error) if isinstance(error, Refused) else _args.bare(error, fn, ch.comm)
+        message = said.encode()[:INLINE_BYTES]
         head = (FAILED + _args.error_code(_own(error)), len(message), 0)
         raw[SLOT_HEAD : SLOT_HEAD + len(message)] = message
     elif enc is not None:
@@ -280,7 +284,7 @@ class TorchObjects(Backend):
         cpu, dev = _channels(comm)
         enc, error = _encode(comm, data, "data", call, dev)
         slots = torch.empty(comm.size * SLOT_BYTES, dtype=torch.uint8, device=cpu.device)
-        all_gather_single(slots, _slot(enc, error, cpu), group=cpu.pg)
+        all_gather_single(slots, _slot(enc, error, cpu, call.fn), group=cpu.pg)
         host, heads = _heads(slots)
         _raise_failures(call.fn, comm, dict(enumerate(heads)), dict(enumerate(host)), error)
         assert enc is not None
@@ -300,7 +304,7 @@ class TorchObjects(Backend):
         rank, dst_global = comm.rank, comm.global_rank(dst)
         if rank != dst:
             enc, error = _encode(comm, data, "data", call, dev)
-            td.gather(_slot(enc, error, cpu), None, dst=dst_global, group=cpu.pg)
+            td.gather(_slot(enc, error, cpu, call.fn), None, dst=dst_global, group=cpu.pg)
             if error is not None:
                 raise _own(error)
             assert enc is not None
@@ -318,7 +322,7 @@ class TorchObjects(Backend):
         slots = [
             torch.empty(SLOT_BYTES, dtype=torch.uint8, device=cpu.device) for _ in range(comm.size)
         ]
-        td.gather(_slot(None, None, cpu), slots, dst=dst_global, group=cpu.pg)
+        td.gather(_slot(None, None, cpu, call.fn), slots, dst=dst_global, group=cpu.pg)
         host, heads = _heads(torch.stack(slots))
         others = {r: h for r, h in enumerate(heads) if r != rank}
         # the ranks that did send take their bytes to dst before it raises another's
@@ -338,7 +342,7 @@ class TorchObjects(Backend):
         cpu, dev = _channels(comm)
         rank, src_global = comm.rank, comm.global_rank(src)
         enc, error = _encode(comm, obj, name, call, dev) if rank == src else (None, None)
-        slot = _slot(enc, error, cpu)
+        slot = _slot(enc, error, cpu, call.fn)
         td.broadcast(slot, src_global, group=cpu.pg)
         if rank == src:
             if error is not None:
@@ -398,7 +402,9 @@ class TorchObjects(Backend):
             encs, error = _encode_each(comm, data, call, dev)
         else:  # src's own arguments were bad: say so to every rank, then raise
             encs = [None] * comm.size
-        td.scatter(mine, [_slot(e, error, cpu) for e in encs], src=src_global, group=cpu.pg)
+        td.scatter(
+            mine, [_slot(e, error, cpu, call.fn) for e in encs], src=src_global, group=cpu.pg
+        )
         if error is not None:
             raise _own(error)
         sent = [(r, e) for r, e in enumerate(encs) if e is not None]
@@ -418,7 +424,7 @@ class TorchObjects(Backend):
         # all agree on whether rounds 2 and 3 happen without a round of their own.
         big = any(e is not None and e.cpu.numel() > INLINE_BYTES for e in encs)
         on_dev = any(e is not None and e.dev is not None for e in encs)
-        send = torch.cat([_slot(e, error, cpu, (big, on_dev)) for e in encs])
+        send = torch.cat([_slot(e, error, cpu, call.fn, (big, on_dev)) for e in encs])
         recv = torch.empty_like(send)
         td.all_to_all_single(recv, send, group=cpu.pg)
         host, heads = _heads(recv)

@@ -401,7 +401,7 @@ def _encoded(comm: Comm, data: Any, call: ObjectCall) -> _Body:
     try:
         enc = _wire.encode(data, "data", call.fn, comm, None if on_cpu else dev, on_cpu)
     except Exception as exc:  # the receiver must hear of it, or wait forever
-        text = str(exc).encode()[:65536]
+        text = _args.bare(exc, call.fn, comm).encode()[:65536]  # as the receiver says it
         return _Body(P2P_FAILED, text, [], (0, _args.error_code(exc), len(text)), exc)
     parts = list(enc.apart) + ([enc.dev] if enc.dev is not None else [])
     return _Body(P2P_OBJECT, enc.cpu, parts, (len(parts), 0, 0))
