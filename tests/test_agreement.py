@@ -334,9 +334,10 @@ def _agrees(c: Case, rank: int, mine: tuple[str, str], alone: tuple[str, str]) -
     if mine[0] != alone[0]:
         return False
     if c.fn in ROOTED and rank != 0 and alone[0] != "ok":
-        # the source's own message, inside this rank's
+        # the source's own message (without the call's name and place), inside this rank's
         source = re.sub(r" \(on rank # of #\)", "", _numbers(alone[1]))
-        return source.split(". ")[0] in _numbers(mine[1])
+        told = source.removeprefix(f"{c.fn}: ").split(". ")[0]
+        return told in _numbers(mine[1])
     return _numbers(mine[1]) == _numbers(alone[1])
 
 

@@ -303,7 +303,7 @@ def test_bad_arguments_fail_before_communicating():
     if rank == 0:
         assert f"data must hold {size} tensors (one per rank), got {size + 1}" in msg
     else:
-        assert "scatter: src (rank 0) failed before sending: scatter: data must hold" in msg
+        assert "scatter: src (rank 0) passed bad arguments: data must hold" in msg
         assert where in msg
     # after all those errors, the group still works: nothing was half-sent
     assert dist.all_reduce(torch.ones(1)).item() == size

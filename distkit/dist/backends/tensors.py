@@ -262,8 +262,9 @@ def _as(part: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
 
 
 def _send_failure(error: Exception, src_global: int, dev: torch.device, comm: Comm) -> None:
-    """On src of a scatter: broadcast a failed header row, then the error's message."""
-    text = str(error).encode()
+    """On src of a scatter: broadcast a failed header row, then the error's message (as
+    the others say it: ``src (rank 0) passed bad arguments: ...``)."""
+    text = _args.refused(error, "scatter", comm).encode()
     headers = torch.zeros((comm.size, HEADER), dtype=torch.int64, device=dev)
     headers[0, 0], headers[0, 1] = layouts.FAILED_ROW, len(text)
     headers[0, 2] = _args.error_code(error)
@@ -279,7 +280,7 @@ def _receive_failure(
     message = torch.empty(row[1], dtype=torch.uint8, device=dev)
     td.broadcast(message, src_global, group=comm.pg)
     text = bytes(message.cpu().tolist()).decode(errors="replace")
-    _args.remote_failure(row[2], fn, comm, f"src (rank {src}) failed before sending: {text}")
+    _args.remote_failure(row[2], fn, comm, f"src (rank {src}) {text}")
 
 
 # -- the lean lane ---------------------------------------------------------------------------
