@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -141,17 +142,20 @@ def mismatch(call, debug: bool = True) -> str:
     return text
 
 
-def in_fresh_world(body, size: int, timeout: float = 300.0) -> list:
+def in_fresh_world(
+    body, size: int, timeout: float = 300.0, pg_timeout: Optional[float] = None
+) -> list:
     """Run the module-level function ``body`` on every rank of a world of its own.
 
     For checks that build a ``DeviceMesh``: its process groups live as long as the world,
     and stay out of the session's shared pools this way. The world's collectives time out
-    with the task (not the pool's 30 s): ranks that compile at different speeds on a
-    loaded machine wait for each other longer than that.
+    with the task (not the pool's 30 s: ranks that compile at different speeds on a
+    loaded machine wait for each other longer than that), or after ``pg_timeout``
+    seconds (for a check of what a collective's timeout raises).
     """
     from distkit.local.pool import RankPool
 
-    with RankPool(size, timeout=timeout, pg_timeout=timeout) as pool:
+    with RankPool(size, timeout=timeout, pg_timeout=pg_timeout or timeout) as pool:
         return pool.run(body)
 
 

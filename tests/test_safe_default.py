@@ -440,6 +440,48 @@ def test_a_stuck_collective_is_reported_once_and_the_run_goes_on():
         assert text == ""
 
 
+def _stuck_with_another_dst():
+    """Every rank arrives at a gather that rank 1 calls with another dst, at a line run
+    past the default check's visits (a call out of its sample): they wait for each other
+    until the group's timeout."""
+    rank, _ = world()
+    _settings.set("stuck_after", 1.0)
+    err = io.StringIO()
+    outcome = None
+    with contextlib.redirect_stderr(err):  # the watchdog writes to this process's stderr
+        for call in range(_check.VISITS + 2):
+            odd = rank == 1 and call == _check.VISITS + 1
+            try:
+                dist.gather(torch.ones(2), dst=1 if odd else 0)
+            except dist.CollectiveMismatchError as exc:
+                outcome = (call, str(exc))
+                break
+    return outcome, err.getvalue()
+
+
+def test_a_stuck_call_the_ranks_disagree_on_is_named_and_raised_at_the_timeout():
+    """Before, the stuck report said every rank "waits in this call too" and the timeout
+    said the same (or that the other rank never came): nothing named the dst."""
+    start = time.monotonic()
+    results = in_fresh_world(_stuck_with_another_dst, 2, timeout=60.0, pg_timeout=6.0)
+    assert time.monotonic() - start < 40
+    reports = [text for _, text in results if "has waited" in text]
+    assert len(reports) == 1, results  # one rank reports, once
+    report = reports[0]
+    assert "waits in this call too" in report, report
+    assert "Every rank is in this call, and they disagree on it, so it cannot complete" in report
+    assert "found by distkit's stuck report" in report and "They must agree on: dst." in report
+    assert "if the missing ranks arrive" not in report, report
+    for rank, (outcome, _) in enumerate(results):  # each raises it at the timeout
+        assert outcome is not None, f"rank {rank} raised no CollectiveMismatchError"
+        call, said = outcome
+        assert call == _check.VISITS + 1, (rank, said)
+        assert "(found by distkit's stuck report, at call #" in said, said
+        assert f"on the group; on rank {rank})" in said, said
+        assert re.search(r"rank 0: gather\(.*dst=0.*\n  rank 1: gather\(.*dst=1", said), said
+        assert "They must agree on: dst." in said, said
+
+
 @ranks(2, timeout=40)
 def test_the_stuck_report_can_be_turned_off():
     rank, _ = world()

@@ -404,9 +404,10 @@ def mismatch(
     seq: int,
     label: str,
     wait: bool = True,
+    by: str = "distkit's default check",
 ) -> errors.CollectiveMismatchError:
     """Post this rank's call, read every rank's (waiting for them up to the grace unless
-    ``wait`` is false), and build the error."""
+    ``wait`` is false), and build the error (found ``by``)."""
     board.post(f"{key}/call/{board.rank}", mine)
     grace = float(_settings.get("hang_grace"))
     calls = board.collect({r: f"{key}/call/{r}" for r in ranks}, grace if wait else 0.0)
@@ -420,8 +421,8 @@ def mismatch(
             rows.append(f"  {name}: {debugmode.format_call(call)}")
     known = [calls[r] for r in ranks if r in calls]  # in rank order
     lines = [
-        f"{public}: the ranks of {label} disagree on this collective (found by distkit's "
-        f"default check, at call #{seq} on the group; on rank {board.rank}):",
+        f"{public}: the ranks of {label} disagree on this collective (found by {by}, at "
+        f"call #{seq} on the group; on rank {board.rank}):",
         *rows,
     ]
     refused = debugmode.refusing([f"rank {r}" for r in ranks], [calls.get(r) for r in ranks])
@@ -503,5 +504,6 @@ class Joined:
             self.request["seq"],
             self.request["label"],
             wait=False,
+            by=self.request.get("by", "distkit's default check"),
         )
         return True, error

@@ -10,7 +10,9 @@ Started with the first collective on a group of several ranks, it wakes every
 - reports a stuck collective, once: when this rank has waited in one collective for
   ``DISTKIT_STUCK_AFTER`` seconds (60 by default; 0 turns it off), it prints which ranks
   have not arrived and where every rank of the group is, and keeps waiting: if the slow
-  rank arrives, the run goes on.
+  rank arrives, the run goes on. When every rank is in that call, it checks the call
+  with them (as the default check would: another ``dst`` on one rank, at a call the
+  check skipped) and prints the mismatch, which each rank raises when the call fails.
 
 It reads what the collectives note in their group's facts (:class:`~distkit.dist.core.comm.
 _GroupFacts`: the thread in a collective, its call number, the call), and other threads'
@@ -118,22 +120,10 @@ class _Watchdog:
         key = request["key"]
         if key in self.joined or key in self.finished:
             return
-        frames = sys._current_frames()
-        for facts in _facts():
-            if facts.gid != request["gid"]:
-                continue
-            seq = request["seq"]
-            if facts.thread and facts.seq == seq and not facts.checking and facts.call:
-                call, frame = facts.call, frames.get(facts.thread)
-            elif seq in facts.pending and facts.pending[seq][1]() is not None:
-                call, frame = facts.pending[seq][0], None
-            else:
-                continue
-            site = debugmode.call_site(frame) if frame is not None else "(in flight: async_op=True)"
-            joined = _check.Joined(facts, request, call, site, board.rank)
+        joined = _part(board, request)
+        if joined is not None:
             self.joined[key] = joined
             joined.add(board)
-            return
 
     def settle(self, board: _board.Board, only: Any = None) -> Optional[BaseException]:
         """Follow the checks this rank took part in for its blocked calls, to their
@@ -160,6 +150,8 @@ class _Watchdog:
         facts, seq = joined.facts, joined.request["seq"]
         if facts.thread and facts.seq == seq:
             facts.failed = (seq, error)
+        if joined.request.get("stuck"):
+            return  # the rank that reports the stuck call prints it, once
         print(
             f"distkit: rank {board.rank} is in {joined.call[0]} (its call #{seq} on "
             f"{joined.request['label']}) at {joined.site}, and rank "
@@ -203,6 +195,26 @@ class _Watchdog:
 
 
 _table: dict[int, Any] = {}  # the group facts of distkit.dist._comm (see ensure)
+
+
+def _part(board: _board.Board, request: dict) -> Optional[_check.Joined]:
+    """This rank's part in the check ``request`` asks for, of the call it is blocked in
+    (or has in flight, ``async_op=True``) on that group with that number; ``None`` when
+    it is in no such call."""
+    frames = sys._current_frames()
+    seq = request["seq"]
+    for facts in _facts():
+        if facts.gid != request["gid"]:
+            continue
+        if facts.thread and facts.seq == seq and not facts.checking and facts.call:
+            call, frame = facts.call, frames.get(facts.thread)
+        elif seq in facts.pending and facts.pending[seq][1]() is not None:
+            call, frame = facts.pending[seq][0], None
+        else:
+            continue
+        site = debugmode.call_site(frame) if frame is not None else "(in flight: async_op=True)"
+        return _check.Joined(facts, request, call, site, board.rank)
+    return None
 
 
 def tick() -> float:
@@ -308,10 +320,65 @@ def _report(board: _board.Board, facts: Any, call: str, seq: int, waited: float)
         others = [r for r in ranks if r != me]
         answers = board.answers(k, others, ANSWERS_WITHIN)
         exits = board.exits([r for r in others if r not in answers])
-        print(_stuck_text(facts, call, seq, waited, me, mine, answers, exits), file=sys.stderr)
+        found = None
+        if others and all(_in_call(answers.get(r), facts.gid, seq, call) for r in others):
+            found = _check_stuck(board, facts, seq, ranks)
+        text = _stuck_text(facts, call, seq, waited, me, mine, answers, exits, found)
+        print(text, file=sys.stderr)
         sys.stderr.flush()
     except Exception:  # the world went away meanwhile: nothing to report
         pass
+
+
+def _in_call(answer: Optional[dict], gid: str, seq: int, call: str) -> bool:
+    """Whether a rank's answer to a roll call says it waits in call ``seq`` of the group."""
+    if answer is None:
+        return False
+    there = next((c for c in answer["in"] if c["gid"] == gid), None)
+    return there is not None and there["seq"] == seq and there["call"] == call
+
+
+_DISAGREE = (
+    "Every rank is in this call, and they disagree on it, so it cannot complete; each rank "
+    "raises this error when the group's timeout ends the call:\n"
+)
+
+
+def _check_stuck(
+    board: _board.Board, facts: Any, seq: int, ranks: list[int]
+) -> Optional[BaseException]:
+    """Check the stuck call ``seq`` that every rank of the group waits in, as the default
+    check does (the call was past its sample: a line run many times, with another ``dst``
+    on one rank): the others' watchdogs take their parts. The mismatch found, or ``None``
+    (they agree, or the call ended meanwhile). Every rank still in the call raises it
+    when the call fails (the group's timeout) instead of a timeout that says the ranks
+    all waited in the same call."""
+    label = "the default group" if facts.gid == "0" else f"group {ranks}"
+    request = {
+        "kind": "check",
+        "gid": facts.gid,
+        "seq": seq,
+        "group": ranks,
+        "key": board.key("stuck", facts.gid, seq, "check"),
+        "from": board.rank,
+        "label": label,
+        "stuck": True,  # see _Watchdog.tell
+        "by": "distkit's stuck report",
+    }
+    mine = _part(board, request)
+    if mine is None:
+        return None
+    board.ask(request)  # the other ranks' watchdogs take their parts
+    mine.add(board)
+    deadline = time.monotonic() + ANSWERS_WITHIN + float(_settings.get("hang_grace"))
+    while time.monotonic() < deadline:
+        finished, error = mine.verdict(board)
+        if finished:
+            if error is not None and facts.thread and facts.seq == seq:
+                facts.failed = (seq, error)
+            return error
+        time.sleep(_board.POLL)
+    return None
 
 
 def _report_p2p(board: _board.Board, facts: Any, note: tuple, waited: float) -> None:
@@ -373,6 +440,7 @@ def _stuck_text(
     mine: dict,
     answers: dict[int, dict],
     exits: dict[int, dict],
+    found: Optional[BaseException] = None,
 ) -> str:
     ranks = _ranks_of(facts)
     default = facts.gid == "0"
@@ -421,7 +489,10 @@ def _stuck_text(
             lines.append(
                 f"  rank {r} has not arrived: it is at {answer['at']}, not in a distkit collective"
             )
-    lines.append(_STUCK_FOOTER.format(float(_settings.get("stuck_after"))))
+    if found is not None:  # the mismatch the stuck call was checked for
+        lines.append(_DISAGREE + str(found))
+    else:
+        lines.append(_STUCK_FOOTER.format(float(_settings.get("stuck_after"))))
     return "\n".join(lines)
 
 
