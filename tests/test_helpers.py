@@ -562,6 +562,37 @@ def test_collect_results_refused_in_a_later_round_raises_on_every_rank():
         assert out == ([r for _ in range(5) for r in range(size)] if rank == 0 else None)
 
 
+class _Holds:
+    def __init__(self) -> None:
+        self.fn = lambda: 1  # cannot be pickled
+
+
+@ranks(*WORLDS)
+def test_collect_results_names_an_unpicklable_result_by_its_index_in_results():
+    """It named the round's payload: data[0][1] for results[3] (in rounds of 2)."""
+    rank, size = world()
+    from distkit.dist import evaluation
+
+    last = size - 1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(evaluation, "CHUNK_ITEMS", 2)  # rounds of 2 results per rank
+        for dst in (0, None):
+            results = [0, 1, 2, _Holds()] if rank == last else [0, 1, 2, 3]
+            with pytest.raises(TypeError) as info:
+                dist.collect_results(results, 4 * size, dst=dst)
+            said = str(info.value)
+            culprit = "results[3].fn (function) cannot be pickled"
+            told = f"rank {last} could not send its object: {culprit}"
+            if rank == last:
+                assert said.startswith(f"collect_results: {culprit}"), said
+            elif dst is None or rank == dst:
+                assert said.startswith(f"collect_results: {told}"), said
+            else:  # it heard of it from dst
+                assert said.startswith(f"collect_results: rank {dst} stopped the call: {told}")
+            assert said.count("(on rank") == 1, said
+    assert dist.all_gather_object(rank) == list(range(size))
+
+
 @ranks(3, timeout=20)
 def test_collect_results_an_unpicklable_result_with_a_large_one_elsewhere():
     rank, size = world()

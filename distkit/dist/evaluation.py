@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import operator
+import re
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from itertools import chain, zip_longest
 from types import TracebackType
@@ -392,6 +394,18 @@ def _same_shape(fn: str, comm: Comm, shapes: list[Optional[tuple[int, str]]]) ->
             )
 
 
+_IN_WINDOW = re.compile(r"\[0\]\[(\d+)\]")
+
+
+def _result_named(start: int, path: str) -> str:
+    """What an error calls the part at ``path`` of a round's payload (its results from
+    ``start`` on are its first element): ``results[start + i]...``, as the user passed them."""
+    found = _IN_WINDOW.match(path)
+    if found is None:
+        return "data" + path  # not a result (the rest of a payload is ints and strings)
+    return f"results[{start + int(found[1])}]{path[found.end() :]}"
+
+
 def _window(results: Sequence, start: int, stop: int) -> Sequence:
     """``results[start:stop]``, read one result at a time unless it is a list or tuple
     (a lazy sequence need not slice; a read that fails raises ``_stream.ReadFailed``)."""
@@ -462,6 +476,7 @@ class _Collected:
             told = told._replace(text=f"rank {comm.rank} {told.text}")
             payload = ([], None, len(results), (told.code, told.text), None)
         gathered: Optional[list[Any]] = None
+        call = call._replace(name=functools.partial(_result_named, start))
         try:
             if self.dst is None:
                 gathered = comm.backend.all_gather_object(comm, payload, call)

@@ -23,6 +23,7 @@ from torch import Tensor
 from distkit.dist.handle import Handle
 
 if TYPE_CHECKING:
+    from distkit.dist.codec.pickling import Naming
     from distkit.dist.core.args import Op
     from distkit.dist.core.comm import Comm
 
@@ -56,6 +57,8 @@ class ObjectCall(NamedTuple):
     map_location: Optional[torch.device]
     serializer: str  # "pickle" or "safe"
     refused: Optional[Refused] = None  # this rank's bad arguments (see Refused)
+    # what errors call the object gathered (all_gather_object, gather_object)
+    name: Naming = "data"
 
 
 class Backend(abc.ABC):

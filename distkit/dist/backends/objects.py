@@ -84,7 +84,7 @@ class _Head(NamedTuple):
 
 
 def _encode(
-    comm: Comm, obj: Any, name: str, call: ObjectCall, dev: Optional[_Channel]
+    comm: Comm, obj: Any, name: _pickling.Naming, call: ObjectCall, dev: Optional[_Channel]
 ) -> tuple[Optional[Encoded], Optional[Exception]]:
     """``(Encoded, None)``, or ``(None, the error to raise after telling the others)``."""
     if call.refused is not None:
@@ -282,7 +282,7 @@ class TorchObjects(Backend):
     @watched
     def all_gather_object(self, comm: Comm, data: Any, call: ObjectCall) -> list[Any]:
         cpu, dev = _channels(comm)
-        enc, error = _encode(comm, data, "data", call, dev)
+        enc, error = _encode(comm, data, call.name, call, dev)
         slots = torch.empty(comm.size * SLOT_BYTES, dtype=torch.uint8, device=cpu.device)
         all_gather_single(slots, _slot(enc, error, cpu, call.fn), group=cpu.pg)
         host, heads = _heads(slots)
@@ -303,7 +303,7 @@ class TorchObjects(Backend):
         cpu, dev = _channels(comm)
         rank, dst_global = comm.rank, comm.global_rank(dst)
         if rank != dst:
-            enc, error = _encode(comm, data, "data", call, dev)
+            enc, error = _encode(comm, data, call.name, call, dev)
             td.gather(_slot(enc, error, cpu, call.fn), None, dst=dst_global, group=cpu.pg)
             if error is not None:
                 raise _own(error)
@@ -316,7 +316,7 @@ class TorchObjects(Backend):
 
         own: Optional[Exception] = call.refused
         try:
-            _pickling.check(data, "data", call.fn, comm)
+            _pickling.check(data, call.name, call.fn, comm)
         except TypeError as exc:
             own = own or exc
         slots = [

@@ -88,13 +88,13 @@ class SingleBackend(Backend):
     # runs the same check the torch backend's encoder runs.
 
     def all_gather_object(self, comm: Comm, data: Any, call: ObjectCall) -> list[Any]:
-        _pickling.check(data, "data", call.fn, comm)
+        _pickling.check(data, call.name, call.fn, comm)
         return [data]
 
     def gather_object(
         self, comm: Comm, data: Any, dst: int, call: ObjectCall
     ) -> Optional[list[Any]]:
-        _pickling.check(data, "data", call.fn, comm)
+        _pickling.check(data, call.name, call.fn, comm)
         return [data]
 
     def broadcast_object(self, comm: Comm, obj: Any, src: int, name: str, call: ObjectCall) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pickle
 import threading
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Union
 
 import torch
 from torch import Tensor
@@ -20,6 +20,10 @@ from distkit.dist.core.args import fail, is_dtensor
 
 if TYPE_CHECKING:
     from distkit.dist.core.comm import Comm
+
+#: What an error calls the object: a name (``data``, the path below it follows), or a
+#: function from the path below the object (``[0]['fn']``) to what the user calls it.
+Naming = Union[str, Callable[[str], str]]
 
 #: Types that pickle by construction: the checks skip them.
 ATOMS = frozenset([int, float, bool, complex, str, bytes, type(None)])
@@ -110,9 +114,10 @@ def _locate(obj: Any, path: str, depth: int = 0) -> tuple[str, Any]:
     return path, obj
 
 
-def error(obj: Any, name: str, fn: str, comm: Comm, exc: BaseException) -> TypeError:
+def error(obj: Any, name: Naming, fn: str, comm: Comm, exc: BaseException) -> TypeError:
     """The ``TypeError`` that says which part of ``obj`` could not be pickled, and why."""
-    path, culprit = _locate(obj, name)
+    below, culprit = _locate(obj, "")
+    path = name(below) if callable(name) else name + below
     try:
         kind = type(culprit).__name__
     except Exception:  # pragma: no cover - a type without a name
@@ -178,7 +183,7 @@ def _trivially_picklable(obj: Any) -> bool:
         node = pending.pop()
 
 
-def check(obj: Any, name: str, fn: str, comm: Comm) -> None:
+def check(obj: Any, name: Naming, fn: str, comm: Comm) -> None:
     """Raise the encoder's ``TypeError`` if ``obj`` could not be sent; send nothing.
 
     Small objects made of builtin containers, atoms and dense tensors pass a quick walk;

@@ -278,7 +278,7 @@ def _apart(sizes: list[int], places: list[int]) -> set[int]:
 
 def encode(
     obj: Any,
-    name: str,
+    name: _pickling.Naming,
     fn: str,
     comm: Comm,
     device: Optional[torch.device] = None,
