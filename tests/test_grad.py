@@ -104,6 +104,74 @@ def test_reduce_scatter_grad_matches_one_process():
         torch.testing.assert_close(torch.cat([p.grad for p in pieces]), xs[rank].grad)
 
 
+def _inputs(size: int, ragged: bool = False) -> list[torch.Tensor]:
+    """Every rank's input (rank r's has r + 1 rows when ``ragged``)."""
+    gen = torch.Generator().manual_seed(11)
+    rows = [r + 1 if ragged else 2 * size for r in range(size)]
+    return [torch.randn(n, dtype=torch.float64, generator=gen) for n in rows]
+
+
+#: Each case: what a rank computes from its input with distkit (``mine(x, rank)``), and
+#: the same from every rank's inputs in one process (``alone(xs, rank)``).
+_SECOND_ORDER = {
+    "all_reduce sum": (
+        lambda x, r: dist.all_reduce(x, grad=True) ** 3 * (r + 1),
+        lambda xs, r: sum(xs) ** 3 * (r + 1),
+    ),
+    "all_reduce mean": (
+        lambda x, r: dist.all_reduce(x, "mean", grad=True) ** 3 * (r + 1),
+        lambda xs, r: (sum(xs) / len(xs)) ** 3 * (r + 1),
+    ),
+    "all_gather same_shape": (
+        lambda x, r: torch.cat(
+            [
+                g**3 * (k + r + 1)
+                for k, g in enumerate(dist.all_gather(x, grad=True, same_shape=True))
+            ]
+        ),
+        lambda xs, r: torch.cat([g**3 * (k + r + 1) for k, g in enumerate(xs)]),
+    ),
+    "all_gather uneven": (
+        lambda x, r: torch.cat(
+            [g**3 * (k + r + 1) for k, g in enumerate(dist.all_gather(x, grad=True))]
+        ),
+        lambda xs, r: torch.cat([g**3 * (k + r + 1) for k, g in enumerate(xs)]),
+    ),
+    "reduce_scatter sum": (
+        lambda x, r: dist.reduce_scatter(x, grad=True) ** 3 * (r + 1),
+        lambda xs, r: sum(x.chunk(len(xs))[r] for x in xs) ** 3 * (r + 1),
+    ),
+    "reduce_scatter list mean": (
+        lambda x, r: (
+            dist.reduce_scatter(list(x.chunk(dist.get_world_size())), "mean", grad=True) ** 3
+            * (r + 1)
+        ),
+        lambda xs, r: (sum(x.chunk(len(xs))[r] for x in xs) / len(xs)) ** 3 * (r + 1),
+    ),
+}
+
+
+@ranks(*GRAD_WORLDS)
+def test_second_derivatives_through_the_collectives_match_one_process():
+    """A gradient penalty: torch.autograd.grad(create_graph=True), then backward through
+    that gradient. The backward passes were not differentiable: the second derivative
+    came out divided by the world size (all_reduce), or wrong (all_gather)."""
+    rank, size = world()
+    for name, (mine, alone) in _SECOND_ORDER.items():
+        xs = _inputs(size, ragged=name.endswith("uneven"))
+        # one process: every rank's loss and penalty, summed
+        leaves = [x.clone().requires_grad_() for x in xs]
+        total = sum(alone(leaves, r).sum() + (leaves[r] ** 2).sum() for r in range(size))
+        firsts = torch.autograd.grad(total, leaves, create_graph=True)
+        sum((g * (r + 2)).sum() for r, g in enumerate(firsts)).backward()
+        # distributed: each rank its own loss (with a local term) and penalty
+        x = xs[rank].clone().requires_grad_()
+        (first,) = torch.autograd.grad(mine(x, rank).sum() + (x**2).sum(), x, create_graph=True)
+        torch.testing.assert_close(first, firsts[rank].detach(), msg=name)
+        (first * (rank + 2)).sum().backward()
+        torch.testing.assert_close(x.grad, leaves[rank].grad, msg=name)
+
+
 @ranks(0, 2)
 def test_without_grad_results_carry_no_history_and_bad_grad_arguments_fail():
     rank, size = world()

@@ -16,6 +16,9 @@ mean: e.g. ``loss / world_size``, as DDP does).
 
 Every rank must run the backward pass (it is collective too). The functions resolve
 ``group`` again in backward, so a group given as a rank list or mesh dimension works.
+Each backward is made of these functions again, so it is differentiable in turn: a
+second derivative (``torch.autograd.grad(..., create_graph=True)``, a gradient penalty)
+goes through the collectives as the first does.
 Results are new tensors (``all_reduce`` with ``grad=True`` does not write into its input)
 whose ``grad_fn`` leads back to the inputs; in a single process they equal the inputs.
 """
@@ -56,10 +59,8 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-        comm = resolve(ctx.group, "all_reduce")
-        total = grad.contiguous().clone()
-        comm.backend.all_reduce(comm, total, ctx.op, False)  # mean: the sum / size
-        return total, None, None
+        # the same reduction (mean: the sum / size), itself differentiable
+        return _AllReduce.apply(grad.contiguous(), ctx.op, ctx.group), None, None
 
 
 class _AllGather(torch.autograd.Function):
@@ -76,26 +77,49 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
-        comm = resolve(ctx.group, "all_gather")
         sends = [g.contiguous() for g in grads]  # autograd fills unused ones with zeros
         # rank k computed sends[r] for rank r's input: send it there, and add up
         if ctx.same_shape:  # a reduce-scatter (which torch.compile can trace)
-            return comm.backend.reduce_scatter(comm, sends, OPS["sum"], False), None, None
-        received = comm.backend.all_to_all(comm, sends, False, False)
-        assert isinstance(received, list)
-        total = received[0].clone()
+            return (
+                _ReduceScatter.apply(sends[0], OPS["sum"], ctx.group, True, *sends[1:]),
+                None,
+                None,
+            )
+        received = _AllToAll.apply(ctx.group, *sends)
+        total = received[0]
         for part in received[1:]:
-            total += part
+            total = total + part
         return total, None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """All-to-all of tensors of any shapes (what the uneven all_gather's backward sends);
+    its backward sends each gradient back where its tensor came from."""
+
     @staticmethod
-    def forward(ctx: Any, op: Op, group: Any, as_list: bool, *chunks: Tensor) -> Tensor:
+    def forward(ctx: Any, group: Any, *sends: Tensor) -> tuple[Tensor, ...]:
+        ctx.group = group
+        comm = resolve(group, "all_gather")
+        received = comm.backend.all_to_all(comm, [t.detach() for t in sends], False, False)
+        assert isinstance(received, list)
+        return tuple(received)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        return (None, *_AllToAll.apply(ctx.group, *(g.contiguous() for g in grads)))
+
+
+class _ReduceScatter(torch.autograd.Function):
+    # a tensor first (the whole input, or the first chunk of a list): dynamo, tracing the
+    # all_gather backward that applies this function, took an Op passed first for ctx
+    @staticmethod
+    def forward(
+        ctx: Any, first: Tensor, op: Op, group: Any, as_list: bool, *rest: Tensor
+    ) -> Tensor:
         ctx.op, ctx.group, ctx.as_list = op, group, as_list
         comm = resolve(group, "reduce_scatter")
         data: Union[Tensor, list[Tensor]] = (
-            [c.detach() for c in chunks] if as_list else chunks[0].detach()
+            [c.detach() for c in (first, *rest)] if as_list else first.detach()
         )
         out = comm.backend.reduce_scatter(comm, data, op, False)
         assert isinstance(out, Tensor)
@@ -103,14 +127,12 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-        comm = resolve(ctx.group, "reduce_scatter")
-        parts = comm.backend.all_gather(comm, grad.contiguous(), False, True)
-        assert isinstance(parts, list)
+        parts = list(_AllGather.apply(grad.contiguous(), ctx.group, True))
         if ctx.op.divide:
-            parts = [p / comm.size for p in parts]
+            parts = [p / len(parts) for p in parts]
         if ctx.as_list:
-            return (None, None, None, *parts)
-        return None, None, None, torch.cat(parts)
+            return (parts[0], None, None, None, *parts[1:])
+        return torch.cat(parts), None, None, None
 
 
 def all_reduce(data: Tensor, op: Op, group: Any) -> Tensor:
@@ -125,8 +147,8 @@ def all_gather(data: Tensor, group: Any, same_shape: bool) -> list[Tensor]:
 
 def reduce_scatter(data: Union[Tensor, list[Tensor]], op: Op, group: Any) -> Tensor:
     if isinstance(data, list):
-        out = _ReduceScatter.apply(op, group, True, *data)
+        out = _ReduceScatter.apply(data[0], op, group, True, *data[1:])
     else:
-        out = _ReduceScatter.apply(op, group, False, data)
+        out = _ReduceScatter.apply(data, op, group, False)
     assert isinstance(out, Tensor)
     return out
