@@ -29,7 +29,7 @@ LAYERS = [
     | {"distkit.dist.codec.opcodes", "distkit.dist.guard", "distkit.dist.guard.watch"}
     | {"distkit.dist.guard.debugmode", "distkit.dist.guard.check", "distkit.dist.guard.board"}
     | {"distkit.dist.guard.watchdog", "distkit.dist.guard.diagnose", "distkit.dist.guard.record"}
-    | {"distkit.dist.guard.pairs"},
+    | {"distkit.dist.guard.pairs", "distkit.dist.guard.creation"},
     # 3: the backends
     {"distkit.dist.backends", "distkit.dist.backends.base", "distkit.dist.backends.single"}
     | {"distkit.dist.backends.tensors", "distkit.dist.backends.objects"}

@@ -27,6 +27,7 @@ import distkit.dist as dist
 from distkit import _registry, _settings
 from distkit.dist.guard import check as _check
 from distkit.testing import ranks
+from distkit.utils import get_group
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -480,6 +481,35 @@ def test_a_stuck_call_the_ranks_disagree_on_is_named_and_raised_at_the_timeout()
         assert f"on the group; on rank {rank})" in said, said
         assert re.search(r"rank 0: gather\(.*dst=0.*\n  rank 1: gather\(.*dst=1", said), said
         assert "They must agree on: dst." in said, said
+
+
+def _one_rank_skips_a_group():
+    rank, _ = world()
+    _settings.set("stuck_after", 1.0)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):  # the stuck report goes to this process's stderr
+        try:
+            if rank == 0:
+                get_group([0, 1], timeout=30)  # rank 1 never creates it
+            else:
+                dist.barrier()
+        except Exception as exc:
+            return type(exc).__name__, str(exc), err.getvalue()
+    return None, "", err.getvalue()
+
+
+def test_a_group_one_rank_never_creates_is_reported_and_named_at_the_timeout():
+    """Rank 0 waited in torch's group creation with no report, until the timeout."""
+    (kind, said, report), (other, _, _) = in_fresh_world(
+        _one_rank_skips_a_group, 2, timeout=60.0, pg_timeout=5.0
+    )
+    assert kind == "CollectiveTimeoutError", said
+    assert said.startswith("get_group timed out on rank 0 in get_group([0, 1]) (the world's"), said
+    assert "rank 1 never came to create a group" in said, said
+    assert "Every rank must create every group, in the same order" in said, said
+    assert "distkit: rank 0 has waited 1 s in get_group([0, 1])" in report, report
+    assert "rank 1 waits in barrier on group [0, 1] at tests/test_safe_default.py:" in report
+    assert other is not None  # rank 1's barrier failed too: it is not left waiting
 
 
 @ranks(2, timeout=40)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 import tempfile
 
 import pytest
@@ -136,6 +137,43 @@ def test_group_cache_and_cpu_group():
         else:
             with pytest.raises(ValueError, match="is not a member of the group"):
                 dist.get_backend(g)
+
+
+@ranks(3, 4)
+def test_ranks_that_create_different_groups_raise_on_every_rank():
+    """torch pairs the groups ranks create by number alone: each rank naming only its
+    own group (or the same groups in another order) joined ranks into groups they did
+    not ask for, and reduced across them silently, while the others hung."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    fix = "Every rank must create every group, in the same order, members or not"
+    if size == 4:  # each rank names only its own group, as a collective's group=
+        mine = [0, 2] if rank % 2 == 0 else [1, 3]
+        with pytest.raises(ValueError) as info:
+            dist.all_reduce(torch.ones(1), group=mine)
+        text = str(info.value)
+        assert text.startswith(f"all_reduce: group={mine}: the ranks create different"), text
+        assert re.search(
+            r"\[0, 2\] at tests/test_utils.py:\d+ in \w+ on ranks 0, 2 and "
+            r"\[1, 3\] at tests/test_utils.py:\d+ in \w+ on ranks 1, 3",
+            text,
+        ), text
+        assert fix in text and text.endswith(f"(on rank {rank} of {size})"), text
+    # the same groups, in another order on rank 0
+    first, second = [0, 1], [1, 2]
+    with pytest.raises(ValueError) as info:
+        for g in (first, second) if rank == 0 else (second, first):
+            get_group(g)
+    text = str(info.value)
+    assert "get_group: the ranks create different process groups at the world's group" in text
+    assert "[0, 1] at tests/test_utils.py:" in text and "[1, 2] at tests/test_utils.py:" in text
+    assert fix in text
+    # nothing was created: every rank goes on in step, and groups made alike work
+    groups = [get_group(g) for g in ([0, 2], [1, size - 1])]
+    for g, members in zip(groups, ([0, 2], [1, size - 1])):
+        if rank in members:
+            total = dist.all_reduce(torch.tensor([10.0**rank]), group=g)
+            assert total.item() == sum(10.0**r for r in members)
+    assert dist.all_gather_object(rank) == list(range(size))
 
 
 def _new_world(path: str, rank: int, size: int) -> None:

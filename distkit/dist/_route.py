@@ -45,6 +45,7 @@ from distkit.dist.core import spec
 from distkit.dist.core.args import fail
 from distkit.dist.core.comm import _FACTS, _TRACED, Comm, TracedComm, _GroupFacts
 from distkit.dist.core.shortcut import shortcut
+from distkit.dist.guard import creation as _creation  # noqa: F401 (checks group creations)
 from distkit.dist.guard import watch as _watch
 from distkit.dist.guard import watchdog as _watchdog
 from distkit.utils.groups import cached_group, get_group

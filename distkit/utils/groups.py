@@ -17,7 +17,7 @@ import atexit
 import weakref
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import Any, Optional, Union, cast
+from typing import Any, Callable, Optional, Union, cast
 
 import torch.distributed as td
 from torch.distributed.constants import default_pg_timeout
@@ -27,6 +27,12 @@ from distkit._compat import ProcessGroup, backend_config, backend_name, group_ti
 from distkit._compat import destroy as destroy_groups
 
 _Key = tuple[tuple[int, ...], str, Optional[float]]
+
+#: Checks with every rank of the world, before a group is created, that each creates the
+#: same one (``agree(ranks, backend, seconds)``, raises ``ValueError`` on every rank if
+#: not). Set by distkit.dist's guard (:mod:`distkit.dist.guard.creation`); ``None`` until
+#: distkit.dist is imported.
+agree: Optional[Callable[[tuple[int, ...], str, Optional[float]], None]] = None
 
 _groups: dict[_Key, Any] = {}
 # the groups of get_group(ranks) with the default backend and timeout, by sorted ranks:
@@ -133,16 +139,18 @@ def get_group(
     if world is None:
         _normalize_ranks(ranks, 1)
         return None
-    key_ranks = _normalize_ranks(ranks, world.size())
     default_backend = backend_name(world)
     name = (backend or default_backend).lower()
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    key_ranks = _normalize_ranks(ranks, world.size())
     if key_ranks == tuple(range(world.size())) and name == default_backend and seconds is None:
         return world  # a timeout of its own needs a group of its own, even for everyone
     cache = _cache_for(world)
     key = (key_ranks, name, None if seconds is None else float(seconds))
     pg = cache.get(key)
     if pg is None:
+        if agree is not None:  # every rank creates this very group (else: ValueError)
+            agree(key_ranks, name, None if seconds is None else float(seconds))
         if seconds is not None:
             timeout = timedelta(seconds=seconds)
         else:  # the world's timeout, so a hang on a sub-group is reported as soon

@@ -54,6 +54,7 @@ class Board:
     __slots__ = (
         "__weakref__",
         "dead",
+        "groups",
         "host",
         "pg",
         "rank",
@@ -66,6 +67,7 @@ class Board:
 
     def __init__(self, pg: Any, store: Any, index: int) -> None:
         self.dead = False  # the store failed: its host (rank 0 under env://) went away
+        self.groups = 0  # process groups created in this world (see guard.creation)
         self.pg = weakref.ref(pg)
         self.store = store
         self.root = root_store(store)

@@ -32,7 +32,8 @@ from distkit.utils.groups import get_cpu_group
 if TYPE_CHECKING:
     from distkit.dist.core.comm import Comm
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the distkit package (distkit.utils.get_group's frames are not the user's either)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__ or ""))
 # frames that are never the user's call site: distkit, torch, and the standard library
 # modules that run a script or a thread

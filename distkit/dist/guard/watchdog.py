@@ -398,7 +398,7 @@ def _report_p2p(board: _board.Board, facts: Any, note: tuple, waited: float) -> 
             f"distkit: rank {me} has waited {waited:.0f} s in {public} with {who}{group} "
             f"(tag {tag}) at {site}, and keeps waiting:"
         ]
-        lines += [f"  {_where_peer(r, answers.get(r), exits)}" for r in others]
+        lines += [f"  {where_is(r, answers.get(r), exits)}" for r in others]
         lines.append(_STUCK_FOOTER.format(float(_settings.get("stuck_after"))))
         print("\n".join(lines), file=sys.stderr)
         sys.stderr.flush()
@@ -406,8 +406,9 @@ def _report_p2p(board: _board.Board, facts: Any, note: tuple, waited: float) -> 
         pass
 
 
-def _where_peer(r: int, answer: Optional[dict], exits: dict[int, dict]) -> str:
-    """Where the peer ``r`` of a stuck point-to-point call is, from its answer."""
+def where_is(r: int, answer: Optional[dict], exits: dict[int, dict]) -> str:
+    """Where rank ``r`` is, from its answer to a roll call (``None``: it gave none; then
+    its exit note in ``exits``, if it left one)."""
     if answer is None:
         if r in exits:
             return _board.describe_exit(r, exits[r])

@@ -1,0 +1,128 @@
+"""Every rank creates the same process group: checked on the world's store first.
+
+Creating a group (``torch.distributed.new_group``, which :func:`distkit.utils.get_group`
+calls) is a collective of the whole world: every rank must create every group, in the
+same order, members or not. torch numbers the groups it creates and pairs the ranks by
+that number alone, so ranks that name different rank lists at the same step (each rank
+only its own data-parallel group, or the same groups in another order) are joined into
+groups they did not ask for: ranks 1 and 2 reduce with each other inside "``[1, 3]``" and
+"``[0, 2]``", silently, while the others wait for ever.
+
+So before torch creates a group, each rank posts what it creates (the ranks, the
+backend, the timeout, its call site) under the world's creation number, and reads every
+rank's: ranks that disagree raise ``ValueError`` on every rank, naming what each
+created; a rank that does not come is reported after ``DISTKIT_STUCK_AFTER`` seconds (who
+has not arrived, and where it is) and named in the ``CollectiveTimeoutError`` raised at
+the world's timeout. Group creation is rare (once per group and world), so the few store
+operations cost nothing that matters; the collectives themselves are untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+from distkit import _settings
+from distkit._compat import group_timeout
+from distkit.dist import errors
+from distkit.dist.core.args import by_value
+from distkit.dist.guard import board as _board
+from distkit.dist.guard import debugmode
+from distkit.dist.guard import watchdog as _watchdog
+from distkit.utils import groups as _groups
+
+_FIX = (
+    "Every rank must create every group, in the same order, members or not (creating a "
+    "group is a collective of the whole world): e.g. groups = [get_group(r) for r in "
+    "([0, 2], [1, 3])] on every rank, then use its own"
+)
+
+
+def agree(ranks: tuple[int, ...], backend: str, seconds: Optional[float]) -> None:
+    """Check with every rank of the world that it creates this group (``ranks``,
+    ``backend``, ``seconds``) now; raise ``ValueError`` on every rank if they differ."""
+    board = _board.board()
+    if board is None or board.dead or board.size == 1:
+        return
+    board.groups += 1
+    k = board.groups
+    site = debugmode.call_site()
+    mine = {"ranks": list(ranks), "backend": backend, "timeout": seconds, "site": site}
+    keys = {r: board.key("group", k, r) for r in range(board.size)}
+    try:
+        board.post(keys[board.rank], mine)
+        posts = _await(board, keys, k, mine, site)
+    except errors.CollectiveTimeoutError:
+        raise
+    except Exception:  # the store failed (its host went away): create unchecked
+        board.dead = True
+        return
+    said = {r: _said(post, posts) for r, post in sorted(posts.items())}
+    if len(set(said.values())) > 1:  # as get_group's other errors: the caller says where
+        where = {r: f"{said[r]} at {post['site']}" for r, post in sorted(posts.items())}
+        raise ValueError(
+            f"get_group: the ranks create different process groups at the world's group "
+            f"creation #{k}: {by_value(where)}. {_FIX}"
+        )
+
+
+def _said(post: dict, posts: dict[int, dict]) -> str:
+    """What a rank creates, with the backend and timeout where the ranks differ on them."""
+    text = str(post["ranks"])
+    for field in ("backend", "timeout"):
+        if len({repr(p[field]) for p in posts.values()}) > 1:
+            text += f" ({field} {post[field]})"
+    return text
+
+
+def _await(board: _board.Board, keys: dict[int, str], k: int, mine: dict, site: str) -> dict:
+    """Every rank's post for creation ``k``: reported when some are late, raised on at
+    the world's timeout."""
+    pg = board.pg()
+    timeout = group_timeout(pg) if pg is not None else None
+    limit = timeout.total_seconds() if timeout is not None else 1800.0
+    start = time.monotonic()
+    stuck = float(_settings.get("stuck_after"))
+    reported = stuck <= 0
+    posts: dict[int, dict] = {}
+    while True:
+        posts.update(board.collect({r: key for r, key in keys.items() if r not in posts}, 0.0))
+        if len(posts) == len(keys):
+            return posts
+        waited = time.monotonic() - start
+        missing = [r for r in keys if r not in posts]
+        what = f"get_group({mine['ranks']}) (the world's group creation #{k}) at {site}"
+        if not reported and waited >= stuck:
+            reported = True
+            print(_late(board, missing, what, waited), file=sys.stderr, flush=True)
+        if waited >= limit:
+            raise errors.CollectiveTimeoutError(
+                f"get_group timed out on rank {board.rank} in {what} after {limit:g} s: "
+                f"{', '.join(f'rank {r}' for r in missing)} never came to create a group. "
+                f"{_FIX}",
+                missing,
+                {},
+            )
+        time.sleep(_board.POLL)
+
+
+def _late(board: _board.Board, missing: list[int], what: str, waited: float) -> str:
+    """The stuck report of a group creation: where the ranks that have not come are."""
+    k = board.ask({"kind": "where", "group": list(range(board.size)), "from": board.rank})
+    answers = board.answers(k, missing, _watchdog.ANSWERS_WITHIN)
+    exits = board.exits([r for r in missing if r not in answers])
+    lines = [f"distkit: rank {board.rank} has waited {waited:.0f} s in {what}:"]
+    lines += [f"  {_watchdog.where_is(r, answers.get(r), exits)}" for r in missing]
+    lines.append(
+        "Creating a group is a collective of the whole world: every rank must create it. "
+        "distkit keeps waiting until the world's timeout."
+    )
+    return "\n".join(lines)
+
+
+def _install() -> None:
+    _groups.agree = agree
+
+
+_install()
