@@ -1037,3 +1037,37 @@ def test_a_stuck_recv_is_reported_with_where_its_peer_is():
     else:
         assert err.getvalue() == ""  # the sender never waited
     dist.barrier()
+
+
+def _dropped(i: int):
+    """What the sender of the dropped-handle test sends as message ``i``."""
+    kind = i % 3
+    if kind == 0:
+        return torch.arange(1000) + i  # inline
+    if kind == 1:
+        return torch.arange(3 << 20, dtype=torch.int32) + i  # a message of its own
+    return {"i": i, "big": torch.arange(3 << 20, dtype=torch.int32) - i}  # an object
+
+
+@ranks(2)
+def test_isend_handles_dropped_unwaited_still_deliver():
+    """gloo drops a send whose work is freed: the receiver waited for ever (so does torch's
+    own isend). distkit holds the sends of a dropped handle until they complete."""
+    import gc
+
+    rank, _ = world()
+    if rank == 0:
+        for i in range(6):
+            dist.isend(_dropped(i), 1)  # the handle is dropped at once
+            gc.collect()
+        junk = [torch.full((3 << 20,), -7, dtype=torch.int32) for _ in range(4)]  # reuse memory
+        del junk
+    else:
+        time.sleep(0.3)  # the sender has dropped them all by now
+        for i in range(6):
+            got, sent = dist.recv(0), _dropped(i)
+            if isinstance(sent, dict):
+                assert got["i"] == i and torch.equal(got["big"], sent["big"]), i
+            else:
+                assert torch.equal(got, sent), i
+    assert dist.all_gather_object(rank) == [0, 1]

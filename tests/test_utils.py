@@ -176,6 +176,23 @@ def test_ranks_that_create_different_groups_raise_on_every_rank():
     assert dist.all_gather_object(rank) == list(range(size))
 
 
+@ranks(3)
+def test_a_rank_outside_a_rank_list_gets_what_get_group_gives_or_a_clear_error():
+    """Rank 2 got torch's raw 'Invalid process group specified' from both."""
+    rank = dist.get_rank()
+    group = get_group([0, 1])
+    assert get_cpu_group([0, 1]) is group  # gloo: the group itself, or the marker
+    if rank < 2:
+        assert get_comm_device([0, 1]) == torch.device("cpu")
+    else:
+        with pytest.raises(
+            ValueError,
+            match=r"get_comm_device: this rank \(global rank 2\) "
+            r"is not a member of group \[0, 1\]",
+        ):
+            get_comm_device([1, 0])
+
+
 def _new_world(path: str, rank: int, size: int) -> None:
     td.init_process_group("gloo", store=td.FileStore(path, size), rank=rank, world_size=size)
 

@@ -75,6 +75,10 @@ def get_comm_device(group: Any = None, data: Any = None) -> torch.device:
     Returns:
         The device to stage tensors on before communicating.
 
+    Raises:
+        ValueError: ``group`` is a list of ranks this rank is not one of (it has no
+            device there), or a bad list (as :func:`get_group` says).
+
     Examples:
         >>> from distkit.utils import get_comm_device
         >>> get_comm_device()
@@ -87,6 +91,12 @@ def get_comm_device(group: Any = None, data: Any = None) -> torch.device:
         pg = group
     else:
         pg = get_group(group)  # checks the rank list, in a single process too
+        if pg is not None and not isinstance(pg, ProcessGroup):  # torch's non-member marker
+            raise ValueError(
+                f"get_comm_device: this rank (global rank {world.rank()}) is not a member of "
+                f"group {sorted(group)}, so it has no device to communicate on there. Ask "
+                "on the group's members only (get_group must still be called on every rank)"
+            )
     if pg is None:
         return torch.device("cpu")
     types = backend_device_types(backend_config(pg).lower())

@@ -185,7 +185,8 @@ def get_cpu_group(group: Any = None) -> Optional[ProcessGroup]:
 
     Returns:
         The group to use for CPU tensors, or ``None`` where a sub-group created
-        outside distkit has no gloo twin (callers then fall back to ``group``).
+        outside distkit has no gloo twin (callers then fall back to ``group``). On a
+        rank outside a rank list, torch's non-member marker, as :func:`get_group`.
 
     Examples:
         >>> from distkit.utils import get_cpu_group
@@ -199,6 +200,8 @@ def get_cpu_group(group: Any = None) -> Optional[ProcessGroup]:
         group = world
     elif not isinstance(group, ProcessGroup):
         group = get_group(group)
+        if not isinstance(group, ProcessGroup):  # torch's non-member marker, as get_group
+            return cast(Optional[ProcessGroup], group)  # gives (collectives refuse it)
     if supports_cpu(backend_config(group)):
         return group
     _cache_for(world)

@@ -1554,9 +1554,18 @@ def _settle(rcv: Receive, public: str) -> None:
             _advance(first, True, public)
 
 
+#: The sends of handles the caller may drop without waiting (``dist.isend(t, 1)`` alone,
+#: as with torch): held here until they complete, since gloo drops a send whose work is
+#: freed, and the receiver would wait for a message that never comes.
+_unwaited: list[list[Any]] = []
+
+
 def result(waiter: _Waiter, async_op: bool, value: Any) -> Any:
     """The call's result, or a handle to it."""
     if async_op:
+        if waiter.sent:
+            _unwaited[:] = [w for w in _unwaited if not all(x.is_completed() for x in w)]
+            _unwaited.append([w for _, works in waiter.sent for w in works])
         return Handle([waiter], value)
     waiter.wait()
     return value()
