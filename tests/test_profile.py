@@ -71,6 +71,36 @@ def test_a_straggler_is_blamed_at_its_line():
     assert sum(other.late.values()) < 0.1 * row.late[1], other
 
 
+def _late_evaluate(x):
+    time.sleep(0.1)  # rank 1 evaluates more slowly, and calls from here
+    dist.all_reduce(x)
+    return _line() - 1
+
+
+@ranks(2, 3)
+def test_a_rank_that_calls_from_another_line_is_blamed_at_its_own():
+    """The row took the lowest rank's call site: rank 1, late in its own function,
+    was blamed at rank 0's line, which it never ran."""
+    rank, size = world()
+    x = torch.ones(2)
+    with dist.profile() as prof:
+        for _ in range(3):
+            if rank == 1:
+                late_at = _late_evaluate(x)
+            else:
+                dist.all_reduce(x)
+                waits_at = _line() - 1
+    _same_everywhere(prof.rows)
+    sites = dist.all_gather_object(late_at if rank == 1 else waits_at)
+    late = _row(prof.rows, "all_reduce", sites[1])
+    assert (late.calls, late.bytes, set(late.late)) == (3, 3 * 8, {1}), late
+    assert late.late[1] >= 0.25, late
+    waited = _row(prof.rows, "all_reduce", sites[0])
+    assert (waited.calls, set(waited.late)) == (3, {r for r in range(size) if r != 1}), waited
+    assert sum(waited.late.values()) < 0.5 * late.late[1], waited
+    assert waited.seconds >= 0.25, waited  # they waited inside, at their own line
+
+
 @ranks(0)
 def test_a_single_process_records_every_kind_of_call():
     x = torch.ones(3)

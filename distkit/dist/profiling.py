@@ -44,13 +44,19 @@ from distkit.dist.guard import record as _record
 
 
 class ProfileRow(NamedTuple):
-    """One collective at one call site, over every call of it in the profile."""
+    """One collective at one call site, over every call of it in the profile.
+
+    A collective that ranks call from different lines is counted at each of them, with
+    the ranks that called it there. A point-to-point call is one rank's own: both sides
+    of a message are calls (``exchange`` at one line on two ranks: two calls a round),
+    each counted with its own bytes and time.
+    """
 
     op: str  #: the collective (its public name)
     site: str  #: the call site, ``file:line``
     calls: int  #: how many times it was called there
     bytes: int  #: the bytes of the tensors one rank passed, over those calls
-    seconds: float  #: the time spent inside those calls, averaged over ranks
+    seconds: float  #: the time spent inside those calls, averaged over the ranks there
     late: dict[int, float]  #: by global rank: seconds it arrived after the first rank
 
 
@@ -317,18 +323,23 @@ def _rows(entries: list[tuple[int, _record.Entry]], offsets: dict[int, float]) -
     for key, got in sorted(calls.items(), key=lambda kv: min(e.enter for _, e in kv[1])):
         got.sort(key=lambda pair: pair[0])
         first = got[0][1]
-        where = (first.op, _site(first.file, first.line))
-        row = rows.setdefault(where, {"calls": 0, "bytes": 0, "seconds": 0.0, "late": {}})
-        row["calls"] += 1
-        row["bytes"] += first.nbytes
-        row["seconds"] += sum(e.leave - e.enter for _, e in got) / len(got)
         arrived = {r: e.enter - offsets.get(r, 0.0) for r, e in got}
         start = min(arrived.values())
         if key[0].startswith(_record.PAIRS):  # late for the peers that waited for it
             start = min([start, *(first_at[m] for m in _messages(first.gid))])
-        for r, at in arrived.items():  # nobody waits for a call that sends nothing
-            late = max(at - start, 0.0) if key[0] else 0.0
-            row["late"][r] = row["late"].get(r, 0.0) + late
+        # one row per call site: ranks that made the call from different lines are each
+        # counted, and blamed, at their own (rank 1 late in evaluate(), not at rank 0's line)
+        by_site: dict[tuple[str, str], list[tuple[int, _record.Entry]]] = {}
+        for r, e in got:
+            by_site.setdefault((e.op, _site(e.file, e.line)), []).append((r, e))
+        for where, here in by_site.items():
+            row = rows.setdefault(where, {"calls": 0, "bytes": 0, "seconds": 0.0, "late": {}})
+            row["calls"] += 1
+            row["bytes"] += here[0][1].nbytes
+            row["seconds"] += sum(e.leave - e.enter for _, e in here) / len(here)
+            for r, _ in here:  # nobody waits for a call that sends nothing
+                late = max(arrived[r] - start, 0.0) if key[0] else 0.0
+                row["late"][r] = row["late"].get(r, 0.0) + late
     return [
         ProfileRow(op, site, v["calls"], v["bytes"], v["seconds"], dict(sorted(v["late"].items())))
         for (op, site), v in rows.items()
