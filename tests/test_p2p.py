@@ -1071,3 +1071,23 @@ def test_isend_handles_dropped_unwaited_still_deliver():
             else:
                 assert torch.equal(got, sent), i
     assert dist.all_gather_object(rank) == [0, 1]
+
+
+@ranks(2)
+def test_an_exchange_names_the_send_that_cannot_be_pickled():
+    """It named every message's object `data`, the name of send's argument."""
+    rank, _ = world()
+    peer = 1 - rank
+    sends = {peer: {"f": lambda: 1} if rank == 0 else torch.ones(2)}
+    with pytest.raises(TypeError) as info:
+        dist.exchange(sends, [peer])
+    said = str(info.value)
+    culprit = "sends[1]['f'] (function) cannot be pickled"
+    if rank == 0:
+        assert said.startswith(f"exchange: {culprit}"), said
+    else:
+        assert said.startswith(f"exchange: rank 0 could not send its object: {culprit}"), said
+    assert (
+        dist.exchange({peer: torch.full((2,), float(rank))}, [peer])[peer].tolist()
+        == [float(peer)] * 2
+    )  # still in step

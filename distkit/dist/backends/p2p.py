@@ -399,7 +399,7 @@ def _encoded(comm: Comm, data: Any, call: ObjectCall) -> _Body:
     dev = comm.device()
     on_cpu = dev.type == "cpu"
     try:
-        enc = _wire.encode(data, "data", call.fn, comm, None if on_cpu else dev, on_cpu)
+        enc = _wire.encode(data, call.name, call.fn, comm, None if on_cpu else dev, on_cpu)
     except Exception as exc:  # the receiver must hear of it, or wait forever
         text = _args.bare(exc, call.fn, comm).encode()[:65536]  # as the receiver says it
         return _Body(P2P_FAILED, text, [], (0, _args.error_code(exc), len(text)), exc)
@@ -1492,7 +1492,8 @@ def start(
             waiter.sent.append((op, posted[1]))
             continue
         ch = channel(comm, "send", op.peer, tag)
-        out = build(comm, sends[op.peer], ch, op.number, call)
+        named = call._replace(name=f"sends[{op.peer}]") if public == "exchange" else call
+        out = build(comm, sends[op.peer], ch, op.number, named)
         ch.count = op.number
         ch.history.append(out.frame_bytes)
         outgoing[op.peer] = (op, out)
