@@ -671,9 +671,21 @@ def _wait(comm: Comm, public: str, op: Op, works: list[Any], timeout: Any = None
         if facts is not None and better is not None:
             how = "timed out" if isinstance(final, CollectiveTimeoutError) else "lost its peer"
             facts.broken = f"a point-to-point {pairs.describe(op)} {how}"
+        if isinstance(better, CollectiveTimeoutError):  # say what it leaves behind
+            better = CollectiveTimeoutError(
+                f"{better}\n{_BROKEN_AFTER}", better.missing, better.reports
+            )
         if better is not None:
             raise better from exc
         raise
+
+
+#: What a point-to-point timeout leaves behind (a wait(timeout=...) used to poll too).
+_BROKEN_AFTER = (
+    "The group cannot be used any more: the message may still arrive, and its ranks would "
+    "be out of step. Start a new world (dist.destroy_dist(), then dist.init_dist()), or use "
+    "another group (a wait(timeout=...) is a deadline, not a way to poll)."
+)
 
 
 def _advance(rcv: Receive, block: bool, public: str, timeout: Any = None) -> bool:
