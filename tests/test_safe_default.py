@@ -486,20 +486,22 @@ def test_a_stuck_call_the_ranks_disagree_on_is_named_and_raised_at_the_timeout()
 def _one_rank_skips_a_group():
     rank, _ = world()
     _settings.set("stuck_after", 1.0)
+    dist.barrier()  # a rank answers roll calls from its first distkit collective on
     err = io.StringIO()
     with contextlib.redirect_stderr(err):  # the stuck report goes to this process's stderr
         try:
             if rank == 0:
                 get_group([0, 1], timeout=30)  # rank 1 never creates it
             else:
-                dist.barrier()
+                time.sleep(8)  # busy, in no distkit call: it may yet come, so no error
         except Exception as exc:
             return type(exc).__name__, str(exc), err.getvalue()
     return None, "", err.getvalue()
 
 
 def test_a_group_one_rank_never_creates_is_reported_and_named_at_the_timeout():
-    """Rank 0 waited in torch's group creation with no report, until the timeout."""
+    """Rank 0 waited in torch's group creation with no report, until the timeout. (A
+    rank that waits in a collective instead is raised on at once: test_utils.py.)"""
     (kind, said, report), (other, _, _) = in_fresh_world(
         _one_rank_skips_a_group, 2, timeout=60.0, pg_timeout=5.0
     )
@@ -508,8 +510,34 @@ def test_a_group_one_rank_never_creates_is_reported_and_named_at_the_timeout():
     assert "rank 1 never came to create a group" in said, said
     assert "Every rank must create every group, in the same order" in said, said
     assert "distkit: rank 0 has waited 1 s in get_group([0, 1])" in report, report
-    assert "rank 1 waits in barrier on group [0, 1] at tests/test_safe_default.py:" in report
-    assert other is not None  # rank 1's barrier failed too: it is not left waiting
+    assert "rank 1 is at tests/test_safe_default.py:" in report, report
+    assert "not in a distkit call" in report, report
+    assert other is None  # rank 1 was never waiting
+
+
+@ranks(2, timeout=40)
+def test_a_destroyed_sub_group_does_not_silence_the_watchdog():
+    """A sub-group destroyed before any roll call read its ranks made the watchdog's
+    answer fail (torch forgets a destroyed group's ranks), and the watchdog took that for
+    a dead store: the rank never answered again, so stuck reports said "did not answer"
+    and checks waited for the timeout."""
+    import torch.distributed as td
+
+    rank, _ = world()
+    _settings.set("stuck_after", 1.0)
+    group = get_group([0, 1], timeout=20)  # a group of its own (not the world)
+    dist.all_reduce(torch.ones(1), group=group)
+    td.destroy_process_group(group)  # still referenced here: its facts stay
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        if rank == 1:
+            time.sleep(3)
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.5)
+    if rank == 0:
+        text = err.getvalue()
+        assert "rank 1 has not arrived: it is at tests/test_safe_default.py:" in text, text
+    del group
 
 
 @ranks(2, timeout=40)

@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import tempfile
+import time
 
 import pytest
 import torch
@@ -173,6 +174,27 @@ def test_ranks_that_create_different_groups_raise_on_every_rank():
         if rank in members:
             total = dist.all_reduce(torch.tensor([10.0**rank]), group=g)
             assert total.item() == sum(10.0**r for r in members)
+    assert dist.all_gather_object(rank) == list(range(size))
+
+
+@ranks(3)
+def test_a_group_created_on_its_members_only_is_refused_at_once():
+    """Members that created a group while another rank went on to a collective waited in
+    torch's creation (or, with no barrier there, went on, and numbered later groups apart
+    from the others). They raise within seconds, and the ranks stay in step."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    start = time.monotonic()
+    if rank in (0, 1):
+        with pytest.raises(dist.CollectiveMismatchError) as info:
+            dist.all_reduce(torch.ones(1), group=[0, 1])
+        text = str(info.value)
+        assert text.startswith("get_group: rank 2 waits in barrier at tests/test_utils.py:"), text
+        assert "the group is created on some ranks only" in text, text
+        assert time.monotonic() - start < 15, "raised only after a long wait"
+    dist.barrier()
+    group = get_group([0, 1])  # made alike on every rank: it works
+    if rank in (0, 1):
+        assert dist.all_reduce(torch.tensor([rank + 1.0]), group=group).item() == 3.0
     assert dist.all_gather_object(rank) == list(range(size))
 
 

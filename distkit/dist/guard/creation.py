@@ -11,10 +11,12 @@ groups they did not ask for: ranks 1 and 2 reduce with each other inside "``[1, 
 So before torch creates a group, each rank posts what it creates (the ranks, the
 backend, the timeout, its call site) under the world's creation number, and reads every
 rank's: ranks that disagree raise ``ValueError`` on every rank, naming what each
-created; a rank that does not come is reported after ``DISTKIT_STUCK_AFTER`` seconds (who
-has not arrived, and where it is) and named in the ``CollectiveTimeoutError`` raised at
-the world's timeout. Group creation is rare (once per group and world), so the few store
-operations cost nothing that matters; the collectives themselves are untouched.
+created; a rank that will not come (it exited, or waits in a collective that needs
+this rank: the group was created on its members only) is raised on at once; one busy
+elsewhere is reported after ``DISTKIT_STUCK_AFTER`` seconds (where it is) and named in
+the ``CollectiveTimeoutError`` raised at the world's timeout. Group creation is rare
+(once per group and world), so the few store operations cost nothing that matters; the
+collectives themselves are untouched.
 """
 
 from __future__ import annotations
@@ -53,7 +55,14 @@ def agree(ranks: tuple[int, ...], backend: str, seconds: Optional[float]) -> Non
     try:
         board.post(keys[board.rank], mine)
         posts = _await(board, keys, k, mine, site)
-    except errors.CollectiveTimeoutError:
+    except (errors.CollectiveTimeoutError, errors.CollectiveMismatchError, errors.RankGoneError):
+        # nothing was created: the number is taken again by this rank's next creation,
+        # which is the missing ranks' first (its post goes, or they would read it)
+        board.groups -= 1
+        try:
+            board.store.delete_key(keys[board.rank])
+        except Exception:  # a store without deletion: a later post writes over it
+            pass
         raise
     except Exception:  # the store failed (its host went away): create unchecked
         board.dead = True
@@ -77,26 +86,37 @@ def _said(post: dict, posts: dict[int, dict]) -> str:
 
 
 def _await(board: _board.Board, keys: dict[int, str], k: int, mine: dict, site: str) -> dict:
-    """Every rank's post for creation ``k``: reported when some are late, raised on at
-    the world's timeout."""
+    """Every rank's post for creation ``k``. Ranks that have not come are asked where
+    they are (after half a second, then less and less often): one that exited, or waits
+    in a collective or a receive that needs this rank (it skipped the creation: a group
+    made on its members only), is raised on at once; one busy elsewhere is reported after
+    ``DISTKIT_STUCK_AFTER`` seconds, and raised on at the world's timeout."""
     pg = board.pg()
     timeout = group_timeout(pg) if pg is not None else None
     limit = timeout.total_seconds() if timeout is not None else 1800.0
     start = time.monotonic()
     stuck = float(_settings.get("stuck_after"))
     reported = stuck <= 0
+    every = min(_ASK_AFTER, limit / 4)
+    ask_at, roll = start + every, None
     posts: dict[int, dict] = {}
+    what = f"get_group({mine['ranks']}) (the world's group creation #{k}) at {site}"
     while True:
         posts.update(board.collect({r: key for r, key in keys.items() if r not in posts}, 0.0))
         if len(posts) == len(keys):
             return posts
-        waited = time.monotonic() - start
+        now = time.monotonic()
         missing = [r for r in keys if r not in posts]
-        what = f"get_group({mine['ranks']}) (the world's group creation #{k}) at {site}"
-        if not reported and waited >= stuck:
+        if roll is not None:
+            _raise_if_stuck_for_good(board, roll, missing, what)
+        if now >= ask_at:
+            roll = board.ask({"kind": "where", "group": missing, "from": board.rank})
+            every = min(every * 2, 8.0)
+            ask_at = now + every
+        if not reported and now - start >= stuck:
             reported = True
-            print(_late(board, missing, what, waited), file=sys.stderr, flush=True)
-        if waited >= limit:
+            print(_late(board, missing, what, now - start), file=sys.stderr, flush=True)
+        if now - start >= limit:
             raise errors.CollectiveTimeoutError(
                 f"get_group timed out on rank {board.rank} in {what} after {limit:g} s: "
                 f"{', '.join(f'rank {r}' for r in missing)} never came to create a group. "
@@ -105,6 +125,33 @@ def _await(board: _board.Board, keys: dict[int, str], k: int, mine: dict, site: 
                 {},
             )
         time.sleep(_board.POLL)
+
+
+#: Seconds before the ranks that have not come are first asked where they are.
+_ASK_AFTER = 0.5
+
+
+def _raise_if_stuck_for_good(board: _board.Board, roll: int, missing: list[int], what: str) -> None:
+    """Raise when a rank that has not come never will: it exited, or it waits (in its
+    main thread) for this rank in a collective or a point-to-point call."""
+    gone = board.exits(missing)
+    if gone:
+        said = "; ".join(_board.describe_exit(r, note) for r, note in sorted(gone.items()))
+        raise errors.RankGoneError(
+            f"get_group: {said}, while rank {board.rank} waited in {what} for it. {_FIX}", gone
+        )
+    me = board.rank
+    for r, answer in sorted(board.answers(roll, missing, 0.0).items()):
+        waits = [c for c in answer.get("in", ()) if me in c["group"]]
+        waits += [c for c in answer.get("p2p", ()) if me in c["peers"] and c.get("main", True)]
+        if waits:
+            there = waits[0]
+            raise errors.CollectiveMismatchError(
+                f"get_group: rank {r} waits in {there['call']} at {there['site']}, which "
+                f"needs rank {me}, while rank {me} waits in {what} for rank {r}: the group "
+                f"is created on some ranks only (on rank {me} of {board.size}). {_FIX}",
+                [],
+            )
 
 
 def _late(board: _board.Board, missing: list[int], what: str, waited: float) -> str:

@@ -229,11 +229,16 @@ def _facts() -> list[Any]:
 
 
 def _ranks_of(facts: Any) -> list[int]:
+    """The group's global ranks; ``[]`` once it is gone (collected, or destroyed before
+    its ranks were read: torch forgets them, and a roll call must still be answered)."""
     if facts.ranks is None:
         pg = facts.ref()
         if pg is None:
             return []
-        facts.ranks = group_ranks(pg)
+        try:
+            facts.ranks = group_ranks(pg)
+        except Exception:  # destroyed (KeyError in torch's table, or another on others)
+            return []
     return list(facts.ranks)
 
 
@@ -247,6 +252,8 @@ def state(board: _board.Board) -> dict:
     for facts in _facts():
         call, thread = facts.call, facts.thread
         ranks = _ranks_of(facts)
+        if not ranks:  # a group that is gone: nothing of it to tell
+            continue
         if thread and call is not None:
             busy.add(thread)
             inside.append(
