@@ -81,8 +81,11 @@ class _Watchdog:
             return
         try:
             self.round_on(board)
-        except Exception:  # the store failed: its host went away; stop asking it
-            board.dead = True
+        except Exception:  # the store failed (its host went away): stop asking it
+            try:  # ... unless it still answers: then the next round tries again
+                board.has(board.key("roll"))
+            except Exception:
+                board.dead = True
 
     def round_on(self, board: _board.Board) -> None:
         if self.board is None or self.board() is not board:  # a new world
