@@ -40,6 +40,8 @@ import struct
 import sys
 import threading
 import time
+import warnings
+import weakref
 from collections import deque
 from datetime import timedelta
 from threading import get_ident
@@ -1381,6 +1383,7 @@ class _Waiter:
         self.checked = checked
         self.results: dict[int, Any] = {}
         self.errors: list[Exception] = []
+        self.waited = False  # wait() was called (a dropped handle warns otherwise)
         #: What ended a wait that failed (a timeout): its messages may never have come,
         #: so what its buffers hold is not read again; later waits raise it again
         self.failed: Optional[BaseException] = None
@@ -1417,6 +1420,7 @@ class _Waiter:
         )
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        self.waited = True
         if self.failed is not None:
             raise self.failed
         self._check_world()
@@ -1567,18 +1571,29 @@ def _settle(rcv: Receive, public: str) -> None:
             _advance(first, True, public)
 
 
-#: The sends of handles the caller may drop without waiting (``dist.isend(t, 1)`` alone,
-#: as with torch): held here until they complete, since gloo drops a send whose work is
-#: freed, and the receiver would wait for a message that never comes.
-_unwaited: list[list[Any]] = []
-
-
 def result(waiter: _Waiter, async_op: bool, value: Any) -> Any:
     """The call's result, or a handle to it."""
     if async_op:
-        if waiter.sent:
-            _unwaited[:] = [w for w in _unwaited if not all(x.is_completed() for x in w)]
-            _unwaited.append([w for _, works in waiter.sent for w in works])
-        return Handle([waiter], value)
+        handle = Handle([waiter], value)
+        if waiter.sent:  # a send's handle dropped unwaited: said at once (see _dropped)
+            weakref.finalize(handle, _dropped, waiter, waiter.site or debugmode.call_site())
+        return handle
     waiter.wait()
     return value()
+
+
+def _dropped(waiter: _Waiter, site: str) -> None:
+    """A handle with sends was dropped before its ``wait()``: gloo frees a send whose work
+    is freed, so its message may never arrive, and the receiver would wait for it until the
+    group's timeout (torch's own ``isend`` does the same, silently)."""
+    if waiter.waited or waiter.failed is not None:
+        return
+    peers = ", ".join(str(op.peer) for op, _ in waiter.sent)
+    warnings.warn(
+        f"{waiter.public} at {site}: its handle was dropped before wait(), so its "
+        f"send to rank {peers} may never arrive (the send is freed with its handle) and the "
+        "receiver waits for it until the group's timeout. Keep the handle and call "
+        "wait() on it, or use send()",
+        RuntimeWarning,
+        stacklevel=2,
+    )
