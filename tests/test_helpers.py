@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -253,6 +254,11 @@ def test_the_helpers_options_are_checked_at_every_call_not_only_the_first():
     assert dist.all_gather_object(rank) == list(range(size))  # still in step
 
 
+class _Keyed(NamedTuple):
+    members: frozenset
+    n: int
+
+
 @ranks(*WORLDS)
 def test_all_reduce_dict_keys_are_spelled_alike_in_every_process_or_refused():
     """A frozenset key's repr lists its members in hash-table order, which differs between
@@ -262,8 +268,13 @@ def test_all_reduce_dict_keys_are_spelled_alike_in_every_process_or_refused():
     rank, size = world()
     members = [8, 0] if rank % 2 else [0, 8]
     assert (repr(frozenset(members)) == "frozenset({8, 0})") == bool(rank % 2)
-    data = {frozenset(members): torch.tensor([1.0]), ("k", frozenset(members)): torch.ones(2)}
+    data = {
+        frozenset(members): torch.tensor([1.0]),
+        ("k", frozenset(members)): torch.ones(2),
+        _Keyed(frozenset(members), 1): torch.ones(1),
+    }
     got = dist.all_reduce_dict(data)
+    assert got[_Keyed(frozenset([0, 8]), 1)].tolist() == [float(size)]
     assert got[frozenset([0, 8])].tolist() == [float(size)]
     assert got[("k", frozenset([0, 8]))].tolist() == [float(size)] * 2
     nans = {float("nan"): torch.tensor([1.0]), float("nan"): torch.tensor([2.0])}

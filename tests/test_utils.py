@@ -198,6 +198,29 @@ def test_a_group_created_on_its_members_only_is_refused_at_once():
     assert dist.all_gather_object(rank) == list(range(size))
 
 
+class _SlowOnTwo:
+    """Decoded slowly on rank 2: it is still "in" the gather after the others left it."""
+
+    def __setstate__(self, state):
+        if dist.get_rank() == 2:
+            time.sleep(2)
+        self.__dict__.update(state)
+
+
+@ranks(3)
+def test_a_rank_still_decoding_a_finished_collective_is_not_a_skipped_creation():
+    """Rank 2, still in all_gather_object (decoding), was taken for a rank waiting there
+    for the others: a correct program was refused as a group created on some ranks."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    slow = _SlowOnTwo()
+    slow.rank = rank
+    assert [o.rank for o in dist.all_gather_object(slow)] == list(range(size))
+    group = get_group([0, 1])  # every rank: rank 2 comes late, but comes
+    if rank in (0, 1):
+        assert dist.all_reduce(torch.tensor([rank + 1.0]), group=group).item() == 3.0
+    assert dist.all_gather_object(rank) == list(range(size))
+
+
 @ranks(3)
 def test_a_rank_outside_a_rank_list_gets_what_get_group_gives_or_a_clear_error():
     """Rank 2 got torch's raw 'Invalid process group specified' from both."""

@@ -80,8 +80,8 @@ _LIST = _Words(
 
 
 def _spelled(key: Any) -> str:
-    """``repr(key)``, the same in every process: a frozenset's members (in a tuple too)
-    sorted, where ``repr`` lists them in an order that depends on the process's hash
+    """``repr(key)``, the same in every process: a frozenset's members (in a tuple or a
+    namedtuple too) sorted, where ``repr`` lists them in an order that depends on the process's hash
     seed (strings hash differently in each), so two ranks would spell one key two ways."""
     if isinstance(key, frozenset):
         members = ", ".join(sorted(_spelled(k) for k in key))
@@ -89,6 +89,10 @@ def _spelled(key: Any) -> str:
     if type(key) is tuple:
         parts = [_spelled(k) for k in key]
         return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+    fields = getattr(type(key), "_fields", None)
+    if isinstance(key, tuple) and isinstance(fields, tuple):  # a namedtuple
+        shown = ", ".join(f"{f}={_spelled(v)}" for f, v in zip(fields, key))
+        return f"{type(key).__name__}({shown})"
     return repr(key)
 
 
@@ -96,7 +100,7 @@ def _order(key: Any) -> tuple[str, str, str]:
     """Where ``key`` of a dict goes in the order every rank visits: by ``str``, then (for
     keys that print alike, such as ``1`` and ``"1"``) by type and ``repr`` (spelled alike
     in every process: see :func:`_spelled`)."""
-    if isinstance(key, (tuple, frozenset)):  # their str is their repr
+    if isinstance(key, (tuple, frozenset)):  # their str is their repr (namedtuples too)
         said = _spelled(key)
         return said, type(key).__qualname__, said
     return str(key), type(key).__qualname__, repr(key)

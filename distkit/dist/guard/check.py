@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from distkit import _settings
 from distkit._compat import group_timeout
 from distkit.dist import errors
+from distkit.dist.core.comm import _FACTS
 from distkit.dist.guard import board as _board
 from distkit.dist.guard import debugmode, diagnose
 
@@ -325,6 +326,16 @@ def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, 
 _ORDER = "Every rank must call the collectives of overlapping groups in the same order."
 
 
+def entered(gid: str, seq: int) -> bool:
+    """Whether this rank has entered call ``seq`` of the group ``gid`` (or a later one):
+    a rank said to be "in" that call (still decoding its result, or making it in another
+    thread) does not wait for this rank there."""
+    for facts in list(_FACTS.values()):
+        if facts.gid == gid:
+            return facts.seq >= seq
+    return False
+
+
 def _blocked(
     board: Board, roll: int, others: list[int], facts: _GroupFacts, me: int
 ) -> Optional[dict]:
@@ -368,6 +379,8 @@ def _blocked(
         for there in answer.get("in", ()):
             if there["gid"] == facts.gid or me not in there["group"]:
                 continue
+            if entered(there["gid"], there["seq"]) or not there.get("main", True):
+                continue  # this rank was there, or another thread of that rank waits
             return {
                 "gone": False,
                 "deadlock": (

@@ -30,6 +30,7 @@ from distkit._compat import group_timeout
 from distkit.dist import errors
 from distkit.dist.core.args import by_value
 from distkit.dist.guard import board as _board
+from distkit.dist.guard import check as _check
 from distkit.dist.guard import debugmode
 from distkit.dist.guard import watchdog as _watchdog
 from distkit.utils import groups as _groups
@@ -142,7 +143,13 @@ def _raise_if_stuck_for_good(board: _board.Board, roll: int, missing: list[int],
         )
     me = board.rank
     for r, answer in sorted(board.answers(roll, missing, 0.0).items()):
-        waits = [c for c in answer.get("in", ()) if me in c["group"]]
+        # only its main thread's call (another thread's may wait for one of this rank's
+        # other threads), and not one this rank made already (it still decodes the result)
+        waits = [
+            c
+            for c in answer.get("in", ())
+            if me in c["group"] and c.get("main", True) and not _check.entered(c["gid"], c["seq"])
+        ]
         waits += [c for c in answer.get("p2p", ()) if me in c["peers"] and c.get("main", True)]
         if waits:
             there = waits[0]

@@ -267,6 +267,7 @@ def state(board: _board.Board) -> dict:
                     "call": call[0],
                     "checking": facts.checking,
                     "site": debugmode.call_site(frames.get(thread)),
+                    "main": thread == threading.main_thread().ident,
                 }
             )
         for seq, (pending, handle) in list(facts.pending.items()):
