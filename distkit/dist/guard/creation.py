@@ -98,7 +98,7 @@ def _await(board: _board.Board, keys: dict[int, str], k: int, mine: dict, site: 
     start = time.monotonic()
     stuck = float(_settings.get("stuck_after"))
     reported = stuck <= 0
-    every = min(_ASK_AFTER, limit / 4)
+    every = min(_check.ASK_AFTER, limit / 4)  # as the default check asks
     ask_at, roll = start + every, None
     posts: dict[int, dict] = {}
     what = f"get_group({mine['ranks']}) (the world's group creation #{k}) at {site}"
@@ -126,10 +126,6 @@ def _await(board: _board.Board, keys: dict[int, str], k: int, mine: dict, site: 
                 {},
             )
         time.sleep(_board.POLL)
-
-
-#: Seconds before the ranks that have not come are first asked where they are.
-_ASK_AFTER = 0.5
 
 
 def _raise_if_stuck_for_good(board: _board.Board, roll: int, missing: list[int], what: str) -> None:
