@@ -118,7 +118,7 @@ def _sorted_keys(data: Mapping[Any, Any], fn: str, comm: Comm) -> list[Any]:
         return sorted(data)
     spelled = {_order(k): k for k in data}
     if len(spelled) < len(data):
-        seen: dict[tuple[str, str, str], Any] = {}
+        seen: set[tuple[str, str, str]] = set()
         for key in data:
             said = _order(key)
             if said in seen:
@@ -130,7 +130,7 @@ def _sorted_keys(data: Mapping[Any, Any], fn: str, comm: Comm) -> list[Any]:
                     "ranks cannot tell which of them is which",
                     "Give every key a str or repr of its own (e.g. use strings as keys)",
                 )
-            seen[said] = key
+            seen.add(said)
     return [spelled[said] for said in sorted(spelled)]
 
 

@@ -145,6 +145,15 @@ class Board:
         """What ``ranks`` answered roll call ``k`` within ``seconds`` (by global rank)."""
         return self.collect({r: self.key("roll", k, r) for r in ranks}, seconds)
 
+    def where(
+        self, group: list[int], ranks: list[int], seconds: float
+    ) -> tuple[dict[int, dict], dict[int, dict]]:
+        """Where ``ranks`` are: ask every rank of ``group``; return what ``ranks``
+        answered within ``seconds``, and the exit notes of those that did not answer."""
+        k = self.ask({"kind": "where", "group": group, "from": self.rank})
+        answers = self.answers(k, ranks, seconds)
+        return answers, self.exits([r for r in ranks if r not in answers])
+
     # -- exits ------------------------------------------------------------------------
 
     def exits(self, ranks: list[int]) -> dict[int, dict]:

@@ -159,9 +159,7 @@ def _raise_if_stuck_for_good(board: _board.Board, roll: int, missing: list[int],
 
 def _late(board: _board.Board, missing: list[int], what: str, waited: float) -> str:
     """The stuck report of a group creation: where the ranks that have not come are."""
-    k = board.ask({"kind": "where", "group": list(range(board.size)), "from": board.rank})
-    answers = board.answers(k, missing, _watchdog.ANSWERS_WITHIN)
-    exits = board.exits([r for r in missing if r not in answers])
+    answers, exits = board.where(list(range(board.size)), missing, _watchdog.ANSWERS_WITHIN)
     lines = [f"distkit: rank {board.rank} has waited {waited:.0f} s in {what}:"]
     lines += [f"  {_watchdog.where_is(r, answers.get(r), exits)}" for r in missing]
     lines.append(

@@ -465,15 +465,13 @@ def _where(answer: dict, me: int) -> str:
 def _ask(comm: Comm, peer: int) -> tuple[Optional[dict], dict, str]:
     """Where rank ``peer`` (global) is: its answer to a roll call (or ``None``), its exit
     note if it answered none, and what went wrong asking."""
-    me = comm.global_rank(comm.rank)
     grace = min(float(_settings.get("hang_grace")), 3.0)
     try:
         board = _board.board()
         if board is None or board.dead:
             return None, {}, ""
-        k = board.ask({"kind": "where", "group": [peer], "from": me})
-        answer = board.answers(k, [peer], grace).get(peer)
-        return answer, ({} if answer is not None else board.exits([peer])), ""
+        answers, exits = board.where([peer], [peer], grace)
+        return answers.get(peer), exits, ""
     except Exception as store_error:  # the store may be gone too
         return None, {}, f" (could not ask rank {peer} through the store: {store_error})"
 

@@ -327,10 +327,8 @@ def _report(board: _board.Board, facts: Any, call: str, seq: int, waited: float)
         ranks = _ranks_of(facts)
         me = board.rank
         mine = state(board)
-        k = board.ask({"kind": "where", "group": ranks, "from": me})
         others = [r for r in ranks if r != me]
-        answers = board.answers(k, others, ANSWERS_WITHIN)
-        exits = board.exits([r for r in others if r not in answers])
+        answers, exits = board.where(ranks, others, ANSWERS_WITHIN)
         found = None
         if others and all(_in_call(answers.get(r), facts.gid, seq, call) for r in others):
             found = _check_stuck(board, facts, seq, ranks)
@@ -400,9 +398,7 @@ def _report_p2p(board: _board.Board, facts: Any, note: tuple, waited: float) -> 
         me = board.rank
         others = [ranks[p] for p in peers if 0 <= p < len(ranks) and ranks[p] != me]
         site = debugmode.call_site(sys._current_frames().get(ident))
-        k = board.ask({"kind": "where", "group": ranks, "from": me})
-        answers = board.answers(k, others, ANSWERS_WITHIN)
-        exits = board.exits([r for r in others if r not in answers])
+        answers, exits = board.where(ranks, others, ANSWERS_WITHIN)
         who = ", ".join(f"rank {r}" for r in others)
         group = "" if facts.gid == "0" else f" on group {ranks}"
         lines = [
