@@ -677,6 +677,55 @@ def test_a_rank_that_went_away_is_named(steps, leave, how, said, tmp_path):
         assert ". The backend said: " in err and "by peer" in err.split("The backend said")[-1]
 
 
+PEER_EXITED_BEFORE_THE_MESSAGE = """
+import os, sys, time, torch, torch.distributed as td, distkit.dist as dist
+dist.init_dist()
+FORMS = {
+    "send": lambda g: dist.send(torch.ones(3), 1, group=g),
+    "send, a large tensor": lambda g: dist.send(torch.ones(1 << 20), 1, group=g),
+    "send, an object": lambda g: dist.send({"a": 1}, 1, group=g),
+    "isend": lambda g: dist.isend(torch.ones(3), 1, group=g).wait(),
+    "recv": lambda g: dist.recv(1, group=g),
+    "irecv": lambda g: dist.irecv(1, group=g).wait(),
+    "exchange": lambda g: dist.exchange({1: torch.ones(2)}, [1], group=g),
+    "exchange, receiving": lambda g: dist.exchange({}, [1], group=g),
+}
+# a group each: a point-to-point call that lost its peer leaves its group unusable
+groups = {form: td.new_group([0, 1]) for form in FORMS}
+pid = dist.all_gather_object(os.getpid())[1]
+if dist.get_rank() == 1:
+    sys.exit(0)
+while os.path.exists(f"/proc/{pid}"):  # gone: gloo refuses to post a message to it
+    with open(f"/proc/{pid}/stat") as f:
+        if f.read().split()[2] == "Z":
+            break
+    time.sleep(0.01)
+for form, call in FORMS.items():
+    try:
+        call(groups[form])
+        print(form, "returned")
+    except dist.RankGoneError as exc:
+        print(form, "|", str(exc).split(". The backend said")[0])
+"""
+
+
+def test_a_message_to_or_from_a_rank_that_exited_names_it(tmp_path):
+    # gloo refuses to post it (the connection is closed): that error came raw, without
+    # the rank, how it left or the line
+    proc = _launch(tmp_path, PEER_EXITED_BEFORE_THE_MESSAGE)
+    assert proc.returncode == 0, proc.stderr
+    said = dict(line.split(" | ") for line in proc.stdout.splitlines())
+    assert len(said) == 8, proc.stdout
+    for form, text in said.items():
+        public = form.split(",")[0]
+        way = "recv message #1 from" if "rec" in form else "send message #1 to"
+        # older torch (seen on 2.4) can abort a process that exits with a live gloo
+        # thread: distkit must then say it was killed by signal 6
+        assert re.match(rf"{public}: rank 1 (exited|was killed by signal 6)", text), (form, text)
+        assert f"while rank 0 waited to {way} it (tag 0) at " in text, (form, text)
+        assert "script.py:" in text, (form, text)
+
+
 # -- found by an adversarial review: each failed before its fix --------------------------
 
 

@@ -667,19 +667,32 @@ def _wait(comm: Comm, public: str, op: Op, works: list[Any], timeout: Any = None
             else:
                 w.wait(timeout)
     except Exception as exc:
-        better = pairs.failure(comm, public, op, exc)
-        final = better if better is not None else exc
-        facts = comm._facts
-        if facts is not None and better is not None:
-            how = "timed out" if isinstance(final, CollectiveTimeoutError) else "lost its peer"
-            facts.broken = f"a point-to-point {pairs.describe(op)} {how}"
-        if isinstance(better, CollectiveTimeoutError):  # say what it leaves behind
-            better = CollectiveTimeoutError(
-                f"{better}\n{_BROKEN_AFTER}", better.missing, better.reports
-            )
-        if better is not None:
-            raise better from exc
+        _raise_failure(comm, public, op, exc)
         raise
+
+
+def _raise_failure(comm: Comm, public: str, op: Op, exc: BaseException) -> None:
+    """Raise what ``exc`` (the backend's, waiting for or posting ``op``) means when it
+    says the peer went away or the wait timed out (the group cannot be used any more
+    after that: the pair is out of step); return for any other error."""
+    better = pairs.failure(comm, public, op, exc)
+    if better is None:
+        return
+    facts = comm._facts
+    if facts is not None:
+        how = "timed out" if isinstance(better, CollectiveTimeoutError) else "lost its peer"
+        facts.broken = f"a point-to-point {pairs.describe(op)} {how}"
+    if isinstance(better, CollectiveTimeoutError):  # say what it leaves behind
+        better = CollectiveTimeoutError(
+            f"{better}\n{_BROKEN_AFTER}", better.missing, better.reports
+        )
+    raise better from exc
+
+
+def _refused(comm: Comm, public: str, kind: str, peer: int, tag: int, exc: BaseException) -> None:
+    """:func:`_raise_failure` for a message the backend refused to post (gloo refuses
+    one to or from a rank that exited: the connection is closed)."""
+    _raise_failure(comm, public, Op(kind, peer, tag, _tentative(comm, kind, peer, tag)), exc)
 
 
 #: What a point-to-point timeout leaves behind (a wait(timeout=...) used to poll too).
@@ -714,7 +727,12 @@ def _advance(rcv: Receive, block: bool, public: str, timeout: Any = None) -> boo
             rcv.works = []
         bufs = rcv.next_buffers()
         if bufs:
-            rcv.works = _post(rcv.comm, [], [(b, rcv.src) for b in bufs], rcv.tag)
+            try:
+                rcv.works = _post(rcv.comm, [], [(b, rcv.src) for b in bufs], rcv.tag)
+            except Exception as exc:
+                if not helper:  # (a helper's error is said by the caller's wait, above)
+                    _raise_failure(rcv.comm, public, rcv.op, exc)
+                raise
     except BaseException as exc:
         rcv.error, rcv.raw = exc, helper
         raise
@@ -1083,7 +1101,11 @@ def send_fast(comm: Comm, data: Any, dst: int, tag: int, public: str) -> bool:
     """Send ``data`` now if it takes the fast path; whether it did."""
     if not _fast(comm):
         return False
-    posted = _quick_send(comm, data, dst, tag)
+    try:
+        posted = _quick_send(comm, data, dst, tag)
+    except Exception as exc:
+        _refused(comm, public, "send", dst, tag, exc)
+        raise
     if posted is None:
         return False
     op, works, stage = posted
@@ -1293,6 +1315,9 @@ def send_lane(data: Any, dst: int, pg: Any) -> Any:
         op, works, stage = posted
         _wait_noted(comm, "send", op, works)
         stage.works = []
+    except Exception as exc:  # (the wait's errors come said already: left as they are)
+        _refused(comm, "send", "send", dst, 0, exc)
+        raise
     finally:
         facts.thread = 0  # type: ignore[union-attr]
     return None
@@ -1310,6 +1335,9 @@ def recv_lane(src: int, pg: Any) -> Any:
             return MISS  # receives posted before it come first: the checked path
         _wait_noted(comm, "recv", q.op, [q.work])
         return _quick_result(q, "recv")
+    except Exception as exc:  # (the wait's errors come said already: left as they are)
+        _refused(comm, "recv", "recv", src, 0, exc)
+        raise
     finally:
         facts.thread = 0  # type: ignore[union-attr]
 
@@ -1333,7 +1361,11 @@ def recv_fast(comm: Comm, src: int, tag: int, call: ObjectCall) -> Any:
     by the general path."""
     if not _fast(comm):
         return MISS
-    q = _quick_recv(comm, src, tag, call)
+    try:
+        q = _quick_recv(comm, src, tag, call)
+    except Exception as exc:
+        _refused(comm, call.fn, "recv", src, tag, exc)
+        raise
     if q is None:
         return MISS
     _wait_noted(comm, call.fn, q.op, [q.work])
@@ -1499,55 +1531,66 @@ def start(
                 raise
             checked = True
     waiter = _Waiter(comm, public, ops, fields, site, [], {}, checked)
-    batched = exact(comm) and len(ops) > 1
-    quick = block and not batched and _fast(comm)  # a blocking call: the fast path
-    outgoing: dict[int, tuple[Op, Outgoing]] = {}
-    for op in ops[: len(sends)]:
-        posted = _quick_send(comm, sends[op.peer], op.peer, tag) if quick else None
-        if posted is not None:
-            waiter.sent.append((op, posted[1]))
-            continue
-        ch = channel(comm, "send", op.peer, tag)
-        named = call._replace(name=f"sends[{op.peer}]") if public == "exchange" else call
-        out = build(comm, sends[op.peer], ch, op.number, named)
-        ch.count = op.number
-        ch.history.append(out.frame_bytes)
-        outgoing[op.peer] = (op, out)
-    sent_works: dict[int, list[Any]] = {dst: [] for dst in outgoing}
-    if not batched:  # every message of every send now; receives post their frames
-        for dst, (_, out) in outgoing.items():
-            messages = [(t, dst) for part in out.rounds for t in part]
-            sent_works[dst] = _post(comm, messages, [], tag)
-        # (sends first: a receive posted first makes gloo write a send to the same peer
-        # inside its send call, holding the pair: a ring of 1 MiB took 1.4x as long)
-        for src in recv_from:
-            fast = _quick_recv(comm, src, tag, call) if quick else None
-            number = _tentative(comm, "recv", src, tag)
-            rcv = fast or receive(comm, src, tag, number, call)
-            waiter.received[src] = rcv
-            if not block and isinstance(rcv, Receive) and comm.cpu_home:
-                progress(rcv)  # its messages after the frame, posted without this thread
-    else:  # NCCL: each round batched, on every rank alike (see the module docstring)
-        rounds: dict[int, Receive] = {}
-        for src in recv_from:
-            rcv = Receive(comm, src, tag, _tentative(comm, "recv", src, tag), call)
-            rcv.ch.count = rcv.number
-            _settle(rcv, public)  # what was queued before it, posted
-            waiter.received[src] = rounds[src] = rcv
-        for k in range(3):
-            mine = [(t, dst) for dst, (_, out) in outgoing.items() for t in out.rounds[k]]
-            theirs = []
-            for src, rcv in rounds.items():
-                if rcv.works:
-                    _wait(comm, public, rcv.op, rcv.works)
-                    rcv.works = []
-                theirs += [(b, src) for b in rcv.next_buffers()]
-            works = _post(comm, mine, theirs, tag)
-            for w, (_, dst) in zip(works, mine):
-                sent_works[dst].append(w)
-            recv_works = works[len(mine) :]
-            for (_, src), w in zip(theirs, recv_works):
-                rounds[src].works.append(w)
+    current: Optional[Op] = None  # the message being posted (gloo refuses one to or
+    # from a rank that exited: said as waiting for it is, see _refused)
+    try:
+        batched = exact(comm) and len(ops) > 1
+        quick = block and not batched and _fast(comm)  # a blocking call: the fast path
+        outgoing: dict[int, tuple[Op, Outgoing]] = {}
+        for op in ops[: len(sends)]:
+            current = op
+            posted = _quick_send(comm, sends[op.peer], op.peer, tag) if quick else None
+            if posted is not None:
+                waiter.sent.append((op, posted[1]))
+                continue
+            ch = channel(comm, "send", op.peer, tag)
+            named = call._replace(name=f"sends[{op.peer}]") if public == "exchange" else call
+            out = build(comm, sends[op.peer], ch, op.number, named)
+            ch.count = op.number
+            ch.history.append(out.frame_bytes)
+            outgoing[op.peer] = (op, out)
+        sent_works: dict[int, list[Any]] = {dst: [] for dst in outgoing}
+        if not batched:  # every message of every send now; receives post their frames
+            for dst, (op, out) in outgoing.items():
+                current = op
+                messages = [(t, dst) for part in out.rounds for t in part]
+                sent_works[dst] = _post(comm, messages, [], tag)
+            # (sends first: a receive posted first makes gloo write a send to the same peer
+            # inside its send call, holding the pair: a ring of 1 MiB took 1.4x as long)
+            for src in recv_from:
+                number = _tentative(comm, "recv", src, tag)
+                current = Op("recv", src, tag, number)
+                fast = _quick_recv(comm, src, tag, call) if quick else None
+                rcv = fast or receive(comm, src, tag, number, call)
+                waiter.received[src] = rcv
+                if not block and isinstance(rcv, Receive) and comm.cpu_home:
+                    progress(rcv)  # its messages after the frame, posted without this thread
+        else:  # NCCL: each round batched, on every rank alike (see the module docstring)
+            current = None  # (its waits say their own failures)
+            rounds: dict[int, Receive] = {}
+            for src in recv_from:
+                rcv = Receive(comm, src, tag, _tentative(comm, "recv", src, tag), call)
+                rcv.ch.count = rcv.number
+                _settle(rcv, public)  # what was queued before it, posted
+                waiter.received[src] = rounds[src] = rcv
+            for k in range(3):
+                mine = [(t, dst) for dst, (_, out) in outgoing.items() for t in out.rounds[k]]
+                theirs = []
+                for src, rcv in rounds.items():
+                    if rcv.works:
+                        _wait(comm, public, rcv.op, rcv.works)
+                        rcv.works = []
+                    theirs += [(b, src) for b in rcv.next_buffers()]
+                works = _post(comm, mine, theirs, tag)
+                for w, (_, dst) in zip(works, mine):
+                    sent_works[dst].append(w)
+                recv_works = works[len(mine) :]
+                for (_, src), w in zip(theirs, recv_works):
+                    rounds[src].works.append(w)
+    except Exception as exc:
+        if current is not None:
+            _raise_failure(comm, public, current, exc)
+        raise
     for dst, (op, out) in outgoing.items():
         waiter.sent.append((op, sent_works[dst]))
         if out.error is not None:
