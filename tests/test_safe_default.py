@@ -17,6 +17,7 @@ import re
 import sys
 import textwrap
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -481,6 +482,69 @@ def test_a_stuck_call_the_ranks_disagree_on_is_named_and_raised_at_the_timeout()
         assert f"on the group; on rank {rank})" in said, said
         assert re.search(r"rank 0: gather\(.*dst=0.*\n  rank 1: gather\(.*dst=1", said), said
         assert "They must agree on: dst." in said, said
+
+
+def _one_rank_passes_a_gather_with_another_dst(stuck_after: float):
+    """Of three ranks, rank 2 calls a gather with another dst past the default check's
+    visits: rank 1 only sends, finishes the call and waits in the next one; ranks 0 and
+    2 wait in it."""
+    rank, _ = world()
+    _settings.set("stuck_after", stuck_after)
+    err = io.StringIO()
+    outcome: Any = None
+    with contextlib.redirect_stderr(err):  # the watchdog writes to this process's stderr
+        try:
+            for call in range(_check.VISITS + 3):
+                odd = rank == 2 and call == _check.VISITS + 1
+                dist.gather(torch.ones(2), dst=1 if odd else 0)
+        except (dist.CollectiveMismatchError, dist.CollectiveTimeoutError) as exc:
+            outcome = (type(exc).__name__, str(exc), getattr(exc, "missing", None))
+    return outcome, err.getvalue()
+
+
+def _passes_with_the_stuck_report():
+    return _one_rank_passes_a_gather_with_another_dst(1.0)
+
+
+def _passes_without_the_stuck_report():
+    return _one_rank_passes_a_gather_with_another_dst(0.0)
+
+
+def test_a_rank_that_finished_a_call_the_others_wait_in_is_not_said_to_be_missing():
+    """Before, with three ranks, rank 1 (past the call) was said to be "not the same call"
+    and to have "never arrived", and nothing named the dst (the check ran only when every
+    rank waited in the call)."""
+    results = in_fresh_world(_passes_with_the_stuck_report, 3, timeout=60.0, pg_timeout=6.0)
+    reports = [results[r][1] for r in (0, 2) if "has waited" in results[r][1]]
+    assert len(reports) == 1, results  # rank 0 or 2 reports the gather, once
+    report = reports[0]
+    assert "rank 1 has passed this call: it waits in gather (its call #" in report, report
+    assert "The ranks still in this call disagree on it, so it cannot complete" in report
+    assert re.search(r"rank 0: gather\(.*dst=0.*\n  rank 2: gather\(.*dst=1", report), report
+    for rank in (0, 2):  # each raises it at the timeout
+        kind, said, _ = results[rank][0]
+        assert kind == "CollectiveMismatchError", (rank, said)
+        assert "They must agree on: dst." in said, said
+        assert "Rank 1 finished this call while the others still wait in it" in said, said
+    assert results[1][0][0] == "CollectiveTimeoutError", results[1]
+    passed = results[1][1]  # rank 1's report of its next call
+    assert re.search(r"has waited \d+ s in gather", passed), passed
+    said = r"rank 0 waits in gather \(its call #\d+ on this group\) at .*: a call this rank"
+    assert re.search(said + " has passed", passed), passed
+
+    # with the stuck report off, the timeouts say the same of each other
+    results = in_fresh_world(_passes_without_the_stuck_report, 3, timeout=60.0, pg_timeout=6.0)
+    for rank in (0, 2):
+        kind, said, missing = results[rank][0]
+        assert kind == "CollectiveTimeoutError", (rank, said)
+        assert "never arrived" not in said, said
+        assert "Rank(s) 1 finished this call and went on, while this rank still" in said, said
+        assert "  rank 1 is waiting in gather (its call #" in said, said
+        assert missing == [1], said
+    kind, said, missing = results[1][0]
+    assert "gather timed out on rank 1" in said, said
+    assert "This rank finished the call rank(s) 0, 2 still wait in" in said, said
+    assert missing == [0, 2], said
 
 
 def _one_rank_skips_a_group():

@@ -27,7 +27,9 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective waited longer than its timeout.
 
     Attributes:
-        missing: Global ranks that never arrived at this call.
+        missing: Global ranks not waiting in this call: those that never arrived, and
+            those that finished it while this rank still waits (a call some ranks
+            finish first, called with another ``dst`` or ``src`` on some ranks).
         reports: What the other ranks posted about where they were waiting, by global rank.
     """
 

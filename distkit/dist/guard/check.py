@@ -418,15 +418,19 @@ def mismatch(
     label: str,
     wait: bool = True,
     by: str = "distkit's default check",
+    members: Optional[list[int]] = None,
+    note: str = "",
 ) -> errors.CollectiveMismatchError:
     """Post this rank's call, read every rank's (waiting for them up to the grace unless
-    ``wait`` is false), and build the error (found ``by``)."""
+    ``wait`` is false), and build the error (found ``by``; ``note``: a line it adds).
+    ``members``: the group's global ranks, when ``ranks`` are some of them."""
     board.post(f"{key}/call/{board.rank}", mine)
     grace = float(_settings.get("hang_grace"))
     calls = board.collect({r: f"{key}/call/{r}" for r in ranks}, grace if wait else 0.0)
     rows = []
-    for group_rank, r in enumerate(ranks):
+    for r in ranks:
         call = calls.get(r)
+        group_rank = (members or ranks).index(r)
         name = f"rank {r}" if label == "the default group" else f"rank {r} (rank {group_rank})"
         if call is None:
             rows.append(f"  {name}: did not answer within {grace:g} s")
@@ -456,6 +460,8 @@ def mismatch(
             lines.append(f"They must agree on: {', '.join(diff)}.")
         elif len(known) == len(ranks):
             lines += [f"  {p}" for p in debugmode.inconsistent(public, known)]
+    if note:
+        lines.append(note)
     lines.append(
         "(DISTKIT_CHECK=0 turns the default check off; DISTKIT_DEBUG=1 checks every call.)"
     )
@@ -518,5 +524,7 @@ class Joined:
             self.request["label"],
             wait=False,
             by=self.request.get("by", "distkit's default check"),
+            members=self.request.get("members"),
+            note=self.request.get("note", ""),
         )
         return True, error

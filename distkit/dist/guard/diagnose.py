@@ -37,6 +37,13 @@ def _key(global_rank: int) -> str:
     return f"distkit/where/{global_rank}"
 
 
+#: Seconds between looks at the other ranks' posts, and how long a rank's post stays
+#: after it read the others' (a rank that found every post at once must not take its own
+#: away before the others looked)
+_POLL = 0.05
+_LINGER = 4 * _POLL
+
+
 def _gather_posts(store: Any, me: int, others: list[int]) -> dict[int, dict]:
     """The other ranks' posts, waiting up to the grace for each to appear."""
     reports: dict[int, dict] = {}
@@ -48,7 +55,7 @@ def _gather_posts(store: Any, me: int, others: list[int]) -> dict[int, dict]:
                 reports[r] = json.loads(store.get(_key(r)))
                 pending.remove(r)
         if pending:
-            time.sleep(0.1)
+            time.sleep(_POLL)
     return reports
 
 
@@ -80,11 +87,14 @@ def diagnose(comm: Comm, public: str, seq: int, exc: BaseException) -> Collectiv
         note = f" (could not ask the other ranks through the store: {store_error})"
     finally:
         if store is not None:
+            # others that posted as this rank read theirs may not have read this one
+            # yet: they look every POLL seconds
+            time.sleep(_LINGER)
             try:  # leaving this collective: a later timeout must not read this post
                 store.delete_key(_key(me))
             except Exception:
                 pass
-    same, missing, elsewhere = [], [], []
+    same, missing, elsewhere, passed, ahead, behind = [], [], [], [], [], []
     grace = float(_settings.get("hang_grace"))
     for r in ranks:
         if r == me:
@@ -94,7 +104,16 @@ def diagnose(comm: Comm, public: str, seq: int, exc: BaseException) -> Collectiv
         if here and report is not None and report["call"] == public:
             same.append(r)
             continue
+        if report and report["group"] == ranks and report["seq"] > seq:
+            passed.append(r)  # it finished this call (see _PASSED)
+            ahead.append(
+                f"rank {r} is waiting in {report['call']} (its call #{report['seq']} on "
+                f"this group) at {report['site']}"
+            )
+            continue
         missing.append(r)
+        if report and report["group"] == ranks and report["seq"] < seq:
+            behind.append(r)  # it waits in a call this rank finished
         if report:
             group = "this group" if report["group"] == ranks else f"group {report['group']}"
             elsewhere.append(
@@ -115,10 +134,28 @@ def diagnose(comm: Comm, public: str, seq: int, exc: BaseException) -> Collectiv
     if missing:
         lines.append(f"Rank(s) {', '.join(map(str, missing))} never arrived at this call:")
         lines += [f"  {line}" for line in elsewhere]
+    if behind:
+        lines.append(_BEHIND.format(", ".join(map(str, behind))))
+    if passed:
+        lines.append(_PASSED.format(", ".join(map(str, passed))))
+        lines += [f"  {line}" for line in ahead]
     if same:
         lines.append(f"Rank(s) {', '.join(map(str, same))} are waiting in this call too.")
     lines.append(f"The backend said: {exc}")
-    return CollectiveTimeoutError("\n".join(lines), missing, reports)
+    return CollectiveTimeoutError("\n".join(lines), missing + passed, reports)
+
+
+#: Ranks past the call that timed out: only a call some ranks finish first lets them on
+_BEHIND = (
+    "This rank finished the call rank(s) {} still wait in: the ranks disagree on a call "
+    "some ranks finish first (gather, reduce or scatter with another dst or src on some "
+    "ranks)."
+)
+_PASSED = (
+    "Rank(s) {} finished this call and went on, while this rank still waits in it: the "
+    "ranks disagree on a call some ranks finish first (gather, reduce or scatter with "
+    "another dst or src on some ranks):"
+)
 
 
 #: What a backend's error says when a peer went away (gloo, NCCL, the store)

@@ -28,6 +28,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from distkit import _registry, _settings
@@ -330,9 +331,13 @@ def _report(board: _board.Board, facts: Any, call: str, seq: int, waited: float)
         others = [r for r in ranks if r != me]
         answers, exits = board.where(ranks, others, ANSWERS_WITHIN)
         found = None
-        if others and all(_in_call(answers.get(r), facts.gid, seq, call) for r in others):
-            found = _check_stuck(board, facts, seq, ranks)
-        text = _stuck_text(facts, call, seq, waited, me, mine, answers, exits, found)
+        within = [r for r in others if _in_call(answers.get(r), facts.gid, seq, call)]
+        passed = [r for r in others if _past(answers.get(r), facts.gid, seq)]
+        if others and len(within) + len(passed) == len(others) and len(passed) < len(others):
+            # every rank is in the call, or past it (a call some ranks finish first, as
+            # a gather's senders do): those in it are checked
+            found = _check_stuck(board, facts, seq, ranks, sorted([me, *within]), passed)
+        text = _stuck_text(facts, call, seq, waited, me, mine, answers, exits, found, passed)
         print(text, file=sys.stderr)
         sys.stderr.flush()
     except Exception:  # the world went away meanwhile: nothing to report
@@ -347,33 +352,66 @@ def _in_call(answer: Optional[dict], gid: str, seq: int, call: str) -> bool:
     return there is not None and there["seq"] == seq and there["call"] == call
 
 
+def _past(answer: Optional[dict], gid: str, seq: int) -> bool:
+    """Whether a rank's answer to a roll call says it waits in a later call of the group
+    than call ``seq`` (it finished that call)."""
+    if answer is None:
+        return False
+    there = next((c for c in answer["in"] if c["gid"] == gid), None)
+    return there is not None and there["seq"] > seq
+
+
+def _ranks_named(ranks: Sequence[int]) -> str:
+    """``rank 1``, ``ranks 1, 3``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
 _DISAGREE = (
     "Every rank is in this call, and they disagree on it, so it cannot complete; each rank "
     "raises this error when the group's timeout ends the call:\n"
 )
+_DISAGREE_PASSED = (
+    "The ranks still in this call disagree on it, so it cannot complete; each of them "
+    "raises this error when the group's timeout ends the call:\n"
+)
+_PASSED = (
+    "{passed} finished this call while the others still wait in it: the ranks disagree "
+    "on a call some ranks finish first (gather, reduce or scatter with another dst or "
+    "src on some ranks)."
+)
 
 
 def _check_stuck(
-    board: _board.Board, facts: Any, seq: int, ranks: list[int]
+    board: _board.Board,
+    facts: Any,
+    seq: int,
+    ranks: list[int],
+    among: list[int],
+    passed: Sequence[int] = (),
 ) -> Optional[BaseException]:
-    """Check the stuck call ``seq`` that every rank of the group waits in, as the default
-    check does (the call was past its sample: a line run many times, with another ``dst``
-    on one rank): the others' watchdogs take their parts. The mismatch found, or ``None``
-    (they agree, or the call ended meanwhile). Every rank still in the call raises it
-    when the call fails (the group's timeout) instead of a timeout that says the ranks
-    all waited in the same call."""
+    """Check the stuck call ``seq`` of the group of global ``ranks`` among the ranks of
+    it that wait in it (``among``; the others, ``passed``, finished it), as the default
+    check does (the call was past its
+    sample: a line run many times, with another ``dst`` on one rank): the others'
+    watchdogs take their parts. The mismatch found, or ``None`` (they agree, or the call
+    ended meanwhile). Every rank still in the call raises it when the call fails (the
+    group's timeout) instead of a timeout that says the ranks all waited in the same
+    call."""
     label = "the default group" if facts.gid == "0" else f"group {ranks}"
     request = {
         "kind": "check",
         "gid": facts.gid,
         "seq": seq,
-        "group": ranks,
+        "group": among,
         "key": board.key("stuck", facts.gid, seq, "check"),
         "from": board.rank,
         "label": label,
         "stuck": True,  # see _Watchdog.tell
         "by": "distkit's stuck report",
+        "members": ranks,
     }
+    if passed:
+        request["note"] = _PASSED.format(passed=_ranks_named(passed).capitalize())
     mine = _part(board, request)
     if mine is None:
         return None
@@ -449,6 +487,7 @@ def _stuck_text(
     answers: dict[int, dict],
     exits: dict[int, dict],
     found: Optional[BaseException] = None,
+    passed: Sequence[int] = (),
 ) -> str:
     ranks = _ranks_of(facts)
     default = facts.gid == "0"
@@ -475,6 +514,16 @@ def _stuck_text(
         there = next((c for c in answer["in"] if c["gid"] == facts.gid), None)
         if there is not None and there["seq"] == seq and there["call"] == call:
             lines.append(f"  rank {r} waits in this call too, at {there['site']}")
+        elif there is not None and there["seq"] > seq:
+            lines.append(
+                f"  rank {r} has passed this call: it waits in {there['call']} (its call "
+                f"#{there['seq']} on this group) at {there['site']}"
+            )
+        elif there is not None and there["seq"] < seq:
+            lines.append(
+                f"  rank {r} waits in {there['call']} (its call #{there['seq']} on this "
+                f"group) at {there['site']}: a call this rank has passed"
+            )
         elif there is not None:
             lines.append(
                 f"  rank {r} waits in {there['call']} (its call #{there['seq']} on this "
@@ -497,9 +546,14 @@ def _stuck_text(
             lines.append(
                 f"  rank {r} has not arrived: it is at {answer['at']}, not in a distkit collective"
             )
-    if found is not None:  # the mismatch the stuck call was checked for
+    who = _ranks_named(passed)
+    if found is not None and passed:  # the mismatch the ranks still in it were checked for
+        lines.append(_DISAGREE_PASSED + str(found))
+    elif found is not None:
         lines.append(_DISAGREE + str(found))
     else:
+        if passed:
+            lines.append(_PASSED.format(passed=who.capitalize()))
         lines.append(_STUCK_FOOTER.format(float(_settings.get("stuck_after"))))
     return "\n".join(lines)
 
