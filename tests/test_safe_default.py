@@ -442,10 +442,10 @@ def test_a_stuck_collective_is_reported_once_and_the_run_goes_on():
         assert text == ""
 
 
-def _stuck_with_another_dst():
+def _stuck_with_another_dst(async_op: bool = False):
     """Every rank arrives at a gather that rank 1 calls with another dst, at a line run
     past the default check's visits (a call out of its sample): they wait for each other
-    until the group's timeout."""
+    until the group's timeout. ``async_op``: each rank waits for the gather's handle."""
     rank, _ = world()
     _settings.set("stuck_after", 1.0)
     err = io.StringIO()
@@ -454,18 +454,28 @@ def _stuck_with_another_dst():
         for call in range(_check.VISITS + 2):
             odd = rank == 1 and call == _check.VISITS + 1
             try:
-                dist.gather(torch.ones(2), dst=1 if odd else 0)
+                if async_op:
+                    dist.gather(torch.ones(2), dst=1 if odd else 0, async_op=True).wait()
+                else:
+                    dist.gather(torch.ones(2), dst=1 if odd else 0)
             except dist.CollectiveMismatchError as exc:
                 outcome = (call, str(exc))
                 break
     return outcome, err.getvalue()
 
 
-def test_a_stuck_call_the_ranks_disagree_on_is_named_and_raised_at_the_timeout():
+def _stuck_in_a_handle_with_another_dst():
+    return _stuck_with_another_dst(async_op=True)
+
+
+@pytest.mark.parametrize("waited", ["blocking", "handle"])
+def test_a_stuck_call_the_ranks_disagree_on_is_named_and_raised_at_the_timeout(waited):
     """Before, the stuck report said every rank "waits in this call too" and the timeout
-    said the same (or that the other rank never came): nothing named the dst."""
+    said the same (or that the other rank never came): nothing named the dst. A call
+    made with ``async_op=True`` and stuck in its handle's wait was not reported at all."""
     start = time.monotonic()
-    results = in_fresh_world(_stuck_with_another_dst, 2, timeout=60.0, pg_timeout=6.0)
+    body = _stuck_with_another_dst if waited == "blocking" else _stuck_in_a_handle_with_another_dst
+    results = in_fresh_world(body, 2, timeout=60.0, pg_timeout=6.0)
     assert time.monotonic() - start < 40
     reports = [text for _, text in results if "has waited" in text]
     assert len(reports) == 1, results  # one rank reports, once
@@ -542,9 +552,49 @@ def test_a_rank_that_finished_a_call_the_others_wait_in_is_not_said_to_be_missin
         assert "  rank 1 is waiting in gather (its call #" in said, said
         assert missing == [1], said
     kind, said, missing = results[1][0]
-    assert "gather timed out on rank 1" in said, said
+    # its own timeout, or the others' first: gloo closes the connections of a rank whose
+    # wait timed out, and the call fails on the ranks still waiting with it
+    assert kind == "CollectiveTimeoutError", said
+    assert re.search("gather (timed out|failed) on rank 1", said), said
     assert "This rank finished the call rank(s) 0, 2 still wait in" in said, said
     assert missing == [0, 2], said
+
+
+def _one_rank_times_out_first():
+    """Rank 0's group times out in 2 s, rank 1's in 60: rank 0 times out alone in an
+    all_reduce, and gloo closes its connections; rank 1 then makes the call and lives."""
+    import datetime
+
+    import torch.distributed as td
+
+    rank, _ = world()
+    _settings.set("check", False)  # straight to gloo (the default check would meet first)
+    seconds = 2 if rank == 0 else 60
+    group = td.new_group([0, 1], timeout=datetime.timedelta(seconds=seconds))
+    try:
+        if rank == 0:
+            with pytest.raises(dist.CollectiveTimeoutError):
+                dist.all_reduce(torch.ones(2), group=group)
+            time.sleep(5)  # still here, answering roll calls
+            return None
+        time.sleep(3.5)
+        try:
+            dist.all_reduce(torch.ones(2), group=group)
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+        return None
+    finally:
+        td.destroy_process_group(group)
+
+
+def test_a_call_whose_connection_a_rank_that_timed_out_closed_is_not_said_to_have_lost_it():
+    """Before, rank 1 raised RankGoneError "a rank went away": rank 0 was still there."""
+    results = in_fresh_world(_one_rank_times_out_first, 2, timeout=60.0)
+    kind, said = results[1]
+    assert kind == "CollectiveTimeoutError", said
+    assert "all_reduce failed on rank 1 (rank 1 of group [0, 1]) (its call #1 on this " in said
+    assert "another rank of the group, still there, closed its connection (as gloo does " in said
+    assert "went away" not in said, said
 
 
 def _one_rank_skips_a_group():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from threading import get_ident
 from typing import Any, Callable, Generic, Optional, TypeVar, Union
 
 T = TypeVar("T")
@@ -25,13 +26,14 @@ class Handle(Generic[T]):
         tensor([1., 1.])
     """
 
-    __slots__ = ("__weakref__", "_finish", "_on_error", "_result", "_works")
+    __slots__ = ("__weakref__", "_finish", "_on_error", "_result", "_waiting", "_works")
 
     def __init__(self, works: list[Any], finish: Callable[[], T]) -> None:
         self._works: Optional[list[Any]] = works
         self._finish: Optional[Callable[[], T]] = finish
         self._result: Any = None
         self._on_error: Optional[Callable[[BaseException], Optional[BaseException]]] = None
+        self._waiting = 0  # the thread blocked in wait() (for distkit's stuck report)
 
     @classmethod
     def completed(cls, result: T) -> Handle[T]:
@@ -66,6 +68,7 @@ class Handle(Generic[T]):
             works, finish = self._works, self._finish
             if isinstance(timeout, (int, float)):
                 timeout = timedelta(seconds=timeout)
+            self._waiting = get_ident()
             try:
                 for w in works:
                     if timeout is None:
@@ -77,6 +80,8 @@ class Handle(Generic[T]):
                 if better is not None:
                     raise better from exc
                 raise
+            finally:
+                self._waiting = 0
             self._result = finish() if finish is not None else None
             # a finished handle keeps its result only: what it held for the collective
             # (the group, through its error hook) would keep the group alive past

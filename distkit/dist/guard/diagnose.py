@@ -66,8 +66,12 @@ def _label(comm: Comm, global_rank: int) -> str:
     return f"rank {global_rank} (rank {comm.rank} of {group_label(comm)})"
 
 
-def diagnose(comm: Comm, public: str, seq: int, exc: BaseException) -> CollectiveTimeoutError:
-    """Ask the store where every rank of the group is; build the error to raise.
+def diagnose(
+    comm: Comm, public: str, seq: int, exc: BaseException, closed: bool = False
+) -> CollectiveTimeoutError:
+    """Ask the store where every rank of the group is; build the error to raise
+    (``closed``: the call failed because a rank that is still there closed its
+    connection, as gloo does when that rank's own wait times out).
 
     Ranks are named by their global rank (what launchers and logs show), with their
     rank within a sub-group beside it.
@@ -126,11 +130,16 @@ def diagnose(comm: Comm, public: str, seq: int, exc: BaseException) -> Collectiv
                 "in a distkit collective (busy, blocked elsewhere, or dead)"
             )
     where_me = _label(comm, me)
-    lines = [
-        f"{public} timed out on {where_me} (its call #{seq} on "
-        f"{'this group' if comm.pg is not _registry.current._default_pg else 'the default group'}"
-        f", at {site}){note}."
-    ]
+    group = "this group" if comm.pg is not _registry.current._default_pg else "the default group"
+    if closed:
+        first = (
+            f"{public} failed on {where_me} (its call #{seq} on {group}, at {site}){note}: "
+            "another rank of the group, still there, closed its connection (as gloo does "
+            "when a rank's wait times out), so this call cannot complete."
+        )
+    else:
+        first = f"{public} timed out on {where_me} (its call #{seq} on {group}, at {site}){note}."
+    lines = [first]
     if missing:
         lines.append(f"Rank(s) {', '.join(map(str, missing))} never arrived at this call:")
         lines += [f"  {line}" for line in elsewhere]
@@ -202,10 +211,12 @@ def gone_error(
     return RankGoneError(text, {r: n if isinstance(n, dict) else {} for r, n in gone.items()})
 
 
-def peer_gone(comm: Comm, public: str, seq: int, exc: BaseException) -> RankGoneError:
+def peer_gone(comm: Comm, public: str, seq: int, exc: BaseException) -> RuntimeError:
     """Name the rank(s) that went away, from their exit notes on the store (the rank's
     own, and the exit code ``distkit launch`` adds), or from who fails to answer a roll
-    call when none left a note (killed, crashed)."""
+    call when none left a note (killed, crashed). When every rank answers, none went
+    away: one closed its connection when its own wait timed out, and the error is that
+    timeout's (:func:`diagnose`: where each rank is)."""
     ranks = comm.global_ranks()
     me = ranks[comm.rank]
     others = [r for r in ranks if r != me]
@@ -230,6 +241,8 @@ def peer_gone(comm: Comm, public: str, seq: int, exc: BaseException) -> RankGone
                     for r in others
                     if r not in answered
                 }
+                if not found:
+                    return diagnose(comm, public, seq, exc, closed=True)
     except Exception:  # the store went away too: rank 0 hosts it under env:// alone
         if not found and 0 in others:
             found = {0: "is gone, and the store it hosted with it"}

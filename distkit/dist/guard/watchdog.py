@@ -152,7 +152,7 @@ class _Watchdog:
     def tell(self, board: _board.Board, joined: _check.Joined, error: BaseException) -> None:
         """Record ``error`` for the blocked call (raised if it fails), and print it now."""
         facts, seq = joined.facts, joined.request["seq"]
-        if facts.thread and facts.seq == seq:
+        if _in_progress(facts, seq):
             facts.failed = (seq, error)
         if joined.request.get("stuck"):
             return  # the rank that reports the stuck call prints it, once
@@ -184,6 +184,17 @@ class _Watchdog:
                 self.reported.add(mark)
                 call = facts.call[0]
                 _start_report(_report, (board, facts, call, facts.seq, now - since))
+        for facts in _facts():  # async_op=True calls whose handle a thread waits for
+            for seq, (call, ref) in list(facts.pending.items()):
+                handle = ref()
+                if handle is None or not handle._waiting or facts.size < 2:
+                    continue
+                mark = (id(facts), facts.gid, seq)
+                current.add(mark)
+                since = self.seen.setdefault(mark, now)
+                if now - since >= after and mark not in self.reported:
+                    self.reported.add(mark)
+                    _start_report(_report, (board, facts, call[0], seq, now - since))
         for facts in _facts():  # point-to-point waits: each waiting rank reports its own
             for key, note in list(facts.p2p.items()):
                 mark = (id(facts), "p2p", key)
@@ -213,12 +224,19 @@ def _part(board: _board.Board, request: dict) -> Optional[_check.Joined]:
         if facts.thread and facts.seq == seq and not facts.checking and facts.call:
             call, frame = facts.call, frames.get(facts.thread)
         elif seq in facts.pending and facts.pending[seq][1]() is not None:
-            call, frame = facts.pending[seq][0], None
+            call, handle = facts.pending[seq][0], facts.pending[seq][1]()
+            frame = frames.get(handle._waiting) if handle is not None else None
         else:
             continue
         site = debugmode.call_site(frame) if frame is not None else "(in flight: async_op=True)"
         return _check.Joined(facts, request, call, site, board.rank)
     return None
+
+
+def _in_progress(facts: Any, seq: int) -> bool:
+    """Whether call ``seq`` of the group is still running here: blocked in, or in flight
+    (``async_op=True``, its handle not yet waited for or still waiting)."""
+    return bool(facts.thread and facts.seq == seq) or seq in facts.pending
 
 
 def tick() -> float:
@@ -271,9 +289,25 @@ def state(board: _board.Board) -> dict:
                     "main": thread == threading.main_thread().ident,
                 }
             )
-        for seq, (pending, handle) in list(facts.pending.items()):
-            if handle() is not None:
-                flight.append({"group": ranks, "gid": facts.gid, "seq": seq, "call": pending[0]})
+        for seq, (pending, ref) in list(facts.pending.items()):
+            handle = ref()
+            if handle is None:
+                continue
+            flight.append({"group": ranks, "gid": facts.gid, "seq": seq, "call": pending[0]})
+            waiting = handle._waiting
+            if waiting:  # a thread waits for it: it is in that call, as a blocking one
+                busy.add(waiting)
+                inside.append(
+                    {
+                        "group": ranks,
+                        "gid": facts.gid,
+                        "seq": seq,
+                        "call": pending[0],
+                        "checking": False,
+                        "site": debugmode.call_site(frames.get(waiting)),
+                        "main": waiting == threading.main_thread().ident,
+                    }
+                )
         for public, peers, tag, ident, ops in list(facts.p2p.values()):
             busy.add(ident)
             pairs.append(
@@ -421,8 +455,8 @@ def _check_stuck(
     while time.monotonic() < deadline:
         finished, error = mine.verdict(board)
         if finished:
-            if error is not None and facts.thread and facts.seq == seq:
-                facts.failed = (seq, error)
+            if error is not None and _in_progress(facts, seq):
+                facts.failed = (seq, error)  # raised when the call fails (see watch._better)
             return error
         time.sleep(_board.POLL)
     return None
@@ -492,7 +526,7 @@ def _stuck_text(
     ranks = _ranks_of(facts)
     default = facts.gid == "0"
     group = "the default group" if default else f"group {ranks}"
-    here = next((c for c in mine["in"] if c["gid"] == facts.gid), None)
+    here = next((c for c in mine["in"] if c["gid"] == facts.gid and c["seq"] == seq), None)
     site = here["site"] if here else "<unknown>"
     lines = [
         f"distkit: rank {me} has waited {waited:.0f} s in {call} (its call #{seq} on "
