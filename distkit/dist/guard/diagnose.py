@@ -79,7 +79,9 @@ def diagnose(
     site = call_site()
     ranks = comm.global_ranks()
     me = ranks[comm.rank]
-    where = {"group": ranks, "call": public, "seq": seq, "site": site}
+    # the group's id too: two groups of the same ranks number their calls apart
+    gid = comm._facts.gid if comm._facts is not None else ""
+    where = {"group": ranks, "gid": gid, "call": public, "seq": seq, "site": site}
     reports: dict[int, dict] = {}
     note = ""
     store = None
@@ -104,11 +106,12 @@ def diagnose(
         if r == me:
             continue
         report = reports.get(r)
-        here = report is not None and report["group"] == ranks and report["seq"] == seq
+        ours = report is not None and report["group"] == ranks and report.get("gid") == gid
+        here = ours and report is not None and report["seq"] == seq
         if here and report is not None and report["call"] == public:
             same.append(r)
             continue
-        if report and report["group"] == ranks and report["seq"] > seq:
+        if ours and report and report["seq"] > seq:
             passed.append(r)  # it finished this call (see _PASSED)
             ahead.append(
                 f"rank {r} is waiting in {report['call']} (its call #{report['seq']} on "
@@ -116,10 +119,10 @@ def diagnose(
             )
             continue
         missing.append(r)
-        if report and report["group"] == ranks and report["seq"] < seq:
+        if ours and report and report["seq"] < seq:
             behind.append(r)  # it waits in a call this rank finished
         if report:
-            group = "this group" if report["group"] == ranks else f"group {report['group']}"
+            group = "this group" if ours else f"group {report['group']}"
             elsewhere.append(
                 f"rank {r} is waiting in {report['call']} (its call "
                 f"#{report['seq']} on {group}) at {report['site']}"
