@@ -673,16 +673,17 @@ def _wait(comm: Comm, public: str, op: Op, works: list[Any], timeout: Any = None
 
 def _raise_failure(comm: Comm, public: str, op: Op, exc: BaseException) -> None:
     """Raise what ``exc`` (the backend's, waiting for or posting ``op``) means when it
-    says the peer went away or the wait timed out (the group cannot be used any more
-    after that: the pair is out of step); return for any other error."""
+    says the peer went away (:class:`RankGoneError`: nothing more comes from it, and the
+    ranks still there may go on exchanging messages) or the wait timed out (the group
+    cannot be used any more after that: the message may still arrive, and the pair is out
+    of step); return for any other error."""
     better = pairs.failure(comm, public, op, exc)
     if better is None:
         return
-    facts = comm._facts
-    if facts is not None:
-        how = "timed out" if isinstance(better, CollectiveTimeoutError) else "lost its peer"
-        facts.broken = f"a point-to-point {pairs.describe(op)} {how}"
     if isinstance(better, CollectiveTimeoutError):  # say what it leaves behind
+        facts = comm._facts
+        if facts is not None:
+            facts.broken = f"a point-to-point {pairs.describe(op)} timed out"
         better = CollectiveTimeoutError(
             f"{better}\n{_BROKEN_AFTER}", better.missing, better.reports
         )

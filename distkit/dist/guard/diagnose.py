@@ -80,8 +80,12 @@ def diagnose(
     ranks = comm.global_ranks()
     me = ranks[comm.rank]
     # the group's id too: two groups of the same ranks number their calls apart
-    gid = comm._facts.gid if comm._facts is not None else ""
+    facts = comm._facts
+    gid = facts.gid if facts is not None else ""
+    # this rank's calls of the group in flight (async_op=True): it is in those as well
+    flight = [] if facts is None else _in_flight(facts)
     where = {"group": ranks, "gid": gid, "call": public, "seq": seq, "site": site}
+    where["flight"] = flight
     reports: dict[int, dict] = {}
     note = ""
     store = None
@@ -100,6 +104,15 @@ def diagnose(
                 store.delete_key(_key(me))
             except Exception:
                 pass
+    gone: dict[int, dict] = {}  # how the ranks that posted nothing left, if they did
+    silent = [r for r in ranks if r != me and r not in reports]
+    if silent and not note:
+        try:
+            board = _board.board()
+            if board is not None and not board.dead:
+                gone = board.exits(silent)
+        except Exception:  # the store went away meanwhile
+            pass
     same, missing, elsewhere, passed, ahead, behind = [], [], [], [], [], []
     grace = float(_settings.get("hang_grace"))
     for r in ranks:
@@ -110,6 +123,9 @@ def diagnose(
         here = ours and report is not None and report["seq"] == seq
         if here and report is not None and report["call"] == public:
             same.append(r)
+            continue
+        if ours and report is not None and seq in report.get("flight", ()):
+            same.append(r)  # it has this call in flight, and waits in a later one
             continue
         if ours and report and report["seq"] > seq:
             passed.append(r)  # it finished this call (see _PASSED)
@@ -127,6 +143,8 @@ def diagnose(
                 f"rank {r} is waiting in {report['call']} (its call "
                 f"#{report['seq']} on {group}) at {report['site']}"
             )
+        elif r in gone:
+            elsewhere.append(describe_exit(r, gone[r]))
         else:
             elsewhere.append(
                 f"rank {r} posted nothing within {grace:g} s: it is not waiting "
@@ -146,10 +164,13 @@ def diagnose(
     if missing:
         lines.append(f"Rank(s) {', '.join(map(str, missing))} never arrived at this call:")
         lines += [f"  {line}" for line in elsewhere]
-    if behind:
+    # a rank that has not come may be what holds a call some ranks finished (a slow
+    # rank, with a gather's senders gone on): say the ranks disagree only when none is
+    if behind and len(behind) + len(same) == len(ranks) - 1:
         lines.append(_BEHIND.format(", ".join(map(str, behind))))
     if passed:
-        lines.append(_PASSED.format(", ".join(map(str, passed))))
+        why = _DISAGREE if len(passed) + len(same) == len(ranks) - 1 else ""
+        lines.append(_PASSED.format(", ".join(map(str, passed)), why))
         lines += [f"  {line}" for line in ahead]
     if same:
         lines.append(f"Rank(s) {', '.join(map(str, same))} are waiting in this call too.")
@@ -163,11 +184,23 @@ _BEHIND = (
     "some ranks finish first (gather, reduce or scatter with another dst or src on some "
     "ranks)."
 )
-_PASSED = (
-    "Rank(s) {} finished this call and went on, while this rank still waits in it: the "
-    "ranks disagree on a call some ranks finish first (gather, reduce or scatter with "
-    "another dst or src on some ranks):"
+_PASSED = "Rank(s) {} finished this call and went on, while this rank still waits in it{}:"
+_DISAGREE = (
+    " (and no rank is missing: the ranks disagree on a call some ranks finish first, such "
+    "as gather, reduce or scatter with another dst or src on some ranks)"
 )
+
+
+def _in_flight(facts: Any) -> list[int]:
+    """The numbers of the group's calls this rank has in flight (``async_op=True``,
+    started, and their handle not waited for: one that failed meanwhile, with the same
+    timeout, counts)."""
+    found = []
+    for seq, (_, ref) in list(facts.pending.items()):
+        handle = ref()
+        if handle is not None and handle._works is not None:
+            found.append(seq)
+    return found
 
 
 #: What a backend's error says when a peer went away (gloo, NCCL, the store)

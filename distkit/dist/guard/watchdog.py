@@ -365,11 +365,14 @@ def _report(board: _board.Board, facts: Any, call: str, seq: int, waited: float)
         others = [r for r in ranks if r != me]
         answers, exits = board.where(ranks, others, ANSWERS_WITHIN)
         found = None
-        within = [r for r in others if _in_call(answers.get(r), facts.gid, seq, call)]
-        passed = [r for r in others if _past(answers.get(r), facts.gid, seq)]
-        if others and len(within) + len(passed) == len(others) and len(passed) < len(others):
-            # every rank is in the call, or past it (a call some ranks finish first, as
-            # a gather's senders do): those in it are checked
+        where = {r: _position(answers.get(r), facts.gid, seq, call)[0] for r in others}
+        within = [r for r in others if where[r] in ("same", "flight")]
+        passed = [r for r in others if where[r] == "ahead"]
+        if len(within) + len(passed) < len(others):
+            passed = []  # a rank that has not come may be what holds the call: a slow
+            # rank, not ranks that disagree (a gather's senders finish before it comes)
+        elif within:  # every rank is in the call, or past it (a call some ranks finish
+            # first, as a gather's senders do): those in it are checked
             found = _check_stuck(board, facts, seq, ranks, sorted([me, *within]), passed)
         text = _stuck_text(facts, call, seq, waited, me, mine, answers, exits, found, passed)
         print(text, file=sys.stderr)
@@ -378,21 +381,27 @@ def _report(board: _board.Board, facts: Any, call: str, seq: int, waited: float)
         pass
 
 
-def _in_call(answer: Optional[dict], gid: str, seq: int, call: str) -> bool:
-    """Whether a rank's answer to a roll call says it waits in call ``seq`` of the group."""
+def _position(answer: Optional[dict], gid: str, seq: int, call: str) -> tuple[str, dict]:
+    """Where a rank is against call ``seq`` of the group, from its answer to a roll call:
+    ``("same", c)`` waits in it; ``("flight", c)`` has it in flight (``async_op=True``,
+    not waited for yet; ``c``: what it waits in meanwhile, if anything); ``("ahead", c)``
+    waits only in later calls of the group (it finished this one); ``("behind", c)``
+    waits in an earlier one; ``("other", c)`` in another call of that number; ``("", {})``
+    in no call of the group."""
     if answer is None:
-        return False
-    there = next((c for c in answer["in"] if c["gid"] == gid), None)
-    return there is not None and there["seq"] == seq and there["call"] == call
-
-
-def _past(answer: Optional[dict], gid: str, seq: int) -> bool:
-    """Whether a rank's answer to a roll call says it waits in a later call of the group
-    than call ``seq`` (it finished that call)."""
-    if answer is None:
-        return False
-    there = next((c for c in answer["in"] if c["gid"] == gid), None)
-    return there is not None and there["seq"] > seq
+        return "", {}
+    entries = [c for c in answer["in"] if c["gid"] == gid]
+    for c in entries:
+        if c["seq"] == seq and c["call"] == call:
+            return "same", c
+    if any(f["gid"] == gid and f["seq"] == seq for f in answer.get("flight", ())):
+        return "flight", entries[0] if entries else {}
+    if entries and all(c["seq"] > seq for c in entries):
+        return "ahead", min(entries, key=lambda c: c["seq"])
+    for c in entries:
+        if c["seq"] < seq:
+            return "behind", c
+    return ("other", entries[0]) if entries else ("", {})
 
 
 def _ranks_named(ranks: Sequence[int]) -> str:
@@ -545,20 +554,30 @@ def _stuck_text(
                     "Python's lock"
                 )
             continue
-        there = next((c for c in answer["in"] if c["gid"] == facts.gid), None)
-        if there is not None and there["seq"] == seq and there["call"] == call:
+        kind, there = _position(answer, facts.gid, seq, call)
+        if kind == "same":
             lines.append(f"  rank {r} waits in this call too, at {there['site']}")
-        elif there is not None and there["seq"] > seq:
+        elif kind == "flight":
+            meanwhile = (
+                f", and waits in {there['call']} (its call #{there['seq']} on this group) "
+                f"at {there['site']}"
+                if there
+                else ""
+            )
+            lines.append(f"  rank {r} has this call in flight (async_op=True){meanwhile}")
+        elif kind == "ahead":
             lines.append(
                 f"  rank {r} has passed this call: it waits in {there['call']} (its call "
                 f"#{there['seq']} on this group) at {there['site']}"
             )
-        elif there is not None and there["seq"] < seq:
+        elif kind == "behind":
+            flying = any(f["gid"] == facts.gid and f["seq"] == there["seq"] for f in mine["flight"])
+            has = "has in flight" if flying else "has passed"
             lines.append(
                 f"  rank {r} waits in {there['call']} (its call #{there['seq']} on this "
-                f"group) at {there['site']}: a call this rank has passed"
+                f"group) at {there['site']}: a call this rank {has}"
             )
-        elif there is not None:
+        elif kind == "other":
             lines.append(
                 f"  rank {r} waits in {there['call']} (its call #{there['seq']} on this "
                 f"group) at {there['site']}: not the same call"
