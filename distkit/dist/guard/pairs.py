@@ -478,12 +478,15 @@ def _ask(comm: Comm, peer: int) -> tuple[Optional[dict], dict, str]:
 
 def timed_out(
     comm: Comm, public: str, op: Op, exc: BaseException, closed: bool = False
-) -> CollectiveTimeoutError:
+) -> RuntimeError:
     """The error for ``op`` waiting past the group's timeout (or, ``closed``, for its
     peer closing the connection while alive: its own wait timed out first): where its
-    peer is."""
+    peer is. A peer that left an exit note is gone (:class:`RankGoneError`): gloo may
+    not tell a receive posted as its sender died, and it waits out the timeout."""
     me, peer = comm.global_rank(comm.rank), comm.global_rank(op.peer)
     answer, exits, note = _ask(comm, peer)
+    if answer is None and peer in exits:
+        return _gone(comm, public, op, exits, exc)
     label = debugmode.group_label(comm)
     way = "to" if op.kind == "send" else "from"
     waiting = (
