@@ -84,8 +84,7 @@ def diagnose(
     gid = facts.gid if facts is not None else ""
     # this rank's calls of the group in flight (async_op=True): it is in those as well
     flight = [] if facts is None else _in_flight(facts)
-    where = {"group": ranks, "gid": gid, "call": public, "seq": seq, "site": site}
-    where["flight"] = flight
+    where = {"group": ranks, "gid": gid, "call": public, "seq": seq, "site": site, "flight": flight}
     reports: dict[int, dict] = {}
     note = ""
     store = None
@@ -120,8 +119,7 @@ def diagnose(
             continue
         report = reports.get(r)
         ours = report is not None and report["group"] == ranks and report.get("gid") == gid
-        here = ours and report is not None and report["seq"] == seq
-        if here and report is not None and report["call"] == public:
+        if ours and report is not None and report["seq"] == seq and report["call"] == public:
             same.append(r)
             continue
         if ours and report is not None and seq in report.get("flight", ()):
@@ -179,16 +177,15 @@ def diagnose(
 
 
 #: Ranks past the call that timed out: only a call some ranks finish first lets them on
+_FIRST = (
+    "a call some ranks finish first (gather, reduce or scatter with another dst or src on "
+    "some ranks)"
+)
 _BEHIND = (
-    "This rank finished the call rank(s) {} still wait in: the ranks disagree on a call "
-    "some ranks finish first (gather, reduce or scatter with another dst or src on some "
-    "ranks)."
+    "This rank finished the call rank(s) {} still wait in: the ranks disagree on " + _FIRST + "."
 )
 _PASSED = "Rank(s) {} finished this call and went on, while this rank still waits in it{}:"
-_DISAGREE = (
-    " (and no rank is missing: the ranks disagree on a call some ranks finish first, such "
-    "as gather, reduce or scatter with another dst or src on some ranks)"
-)
+_DISAGREE = " (and no rank is missing: the ranks disagree on " + _FIRST + ")"
 
 
 def _in_flight(facts: Any) -> list[int]:

@@ -434,12 +434,11 @@ def _check_stuck(
 ) -> Optional[BaseException]:
     """Check the stuck call ``seq`` of the group of global ``ranks`` among the ranks of
     it that wait in it (``among``; the others, ``passed``, finished it), as the default
-    check does (the call was past its
-    sample: a line run many times, with another ``dst`` on one rank): the others'
-    watchdogs take their parts. The mismatch found, or ``None`` (they agree, or the call
-    ended meanwhile). Every rank still in the call raises it when the call fails (the
-    group's timeout) instead of a timeout that says the ranks all waited in the same
-    call."""
+    check does (the call was past its sample: a line run many times, with another
+    ``dst`` on one rank): the others' watchdogs take their parts. The mismatch found,
+    or ``None`` (they agree, or the call ended meanwhile). Every rank still in the call
+    raises it when the call fails (the group's timeout) instead of a timeout that says
+    the ranks all waited in the same call."""
     label = "the default group" if facts.gid == "0" else f"group {ranks}"
     request = {
         "kind": "check",
