@@ -189,3 +189,39 @@ def test_a_second_timeout_does_not_read_the_first_ones_posts(short_world):
     text = short_world.run(_second_timeout)[0]
     assert "rank 1 posted nothing" in text, text
     assert "barrier" not in text, "a stale post from the first hang was read"
+
+
+def test_two_threads_of_a_rank_timing_out_at_once_keep_their_own_posts():
+    # a rank's threads that time out together (a handle waited in one, a collective in
+    # another) post where they wait under the rank's one key: the second wrote over the
+    # first's, and the first to leave took both away, so the other ranks read where the
+    # wrong thread waits, or that the rank posted nothing
+    import threading
+
+    from torch.distributed import HashStore
+
+    from distkit.dist.guard import diagnose
+
+    store = HashStore()
+    here = {"group": [0, 1], "gid": "0", "call": "all_reduce", "seq": 7, "site": "a.py:1"}
+    there = {"group": [0, 1], "gid": "3", "call": "gather", "seq": 2, "site": "b.py:2"}
+    posted, leave = threading.Event(), threading.Event()
+
+    def other_thread():
+        diagnose._post(store, 0, there)
+        posted.set()
+        leave.wait(10)
+        diagnose._unpost(store, 0)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    assert posted.wait(10)
+    diagnose._post(store, 0, here)
+    # a rank waiting in group 0's call 7 reads this thread's post, one in group 3's the other's
+    assert diagnose._gather_posts(store, [0], "0", 7) == {0: here}
+    assert diagnose._gather_posts(store, [0], "3", 2) == {0: there}
+    diagnose._unpost(store, 0)  # this thread leaves its call: the other one's post stays
+    assert diagnose._gather_posts(store, [0], "0", 7) == {0: there}
+    leave.set()
+    thread.join(10)
+    assert not store.check(["distkit/where/0"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import signal
 import sys
 import textwrap
 import time
@@ -1285,25 +1286,23 @@ dist.all_reduce(torch.ones(2))  # a new line: checked, on a store that went with
 """
 
 
-@pytest.mark.parametrize("case", ["ends", "leaves"])
-def test_a_world_whose_store_rank_0_hosts(case, tmp_path):
-    """Under env:// without a launcher's agent (srun, mpirun), rank 0 hosts the store:
-    when it exits, a rank left waiting names it, and one that just finishes says nothing
-    (the watchdog stops asking a store whose host left)."""
+def _by_hand(tmp_path, source: str, n: int = 2, **env: str) -> tuple[list, list]:
+    """Start ``n`` ranks of ``source`` by hand under ``env://``, as srun or mpirun would
+    (no launcher watches them; rank 0 hosts the store); their exit codes and outputs."""
     import subprocess
 
     from conftest import ROOT
     from helpers_subprocess import free_port
 
-    script, port = _script(tmp_path, STORE_ON_RANK_0), free_port()
+    script, port = _script(tmp_path, source), free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, script],
             cwd=ROOT,
             env=script_env(
-                CASE=case,
+                **env,
                 RANK=str(rank),
-                WORLD_SIZE="2",
+                WORLD_SIZE=str(n),
                 LOCAL_RANK=str(rank),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port),
@@ -1312,13 +1311,106 @@ def test_a_world_whose_store_rank_0_hosts(case, tmp_path):
             stderr=subprocess.PIPE,
             text=True,
         )
-        for rank in (0, 1)
+        for rank in range(n)
     ]
-    outs = [p.communicate(timeout=90) for p in procs]
-    codes = [p.returncode for p in procs]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], outs
+
+
+@pytest.mark.parametrize("case", ["ends", "leaves"])
+def test_a_world_whose_store_rank_0_hosts(case, tmp_path):
+    """Under env:// without a launcher's agent (srun, mpirun), rank 0 hosts the store:
+    when it exits, a rank left waiting names it, and one that just finishes says nothing
+    (the watchdog stops asking a store whose host left)."""
+    codes, outs = _by_hand(tmp_path, STORE_ON_RANK_0, CASE=case)
     if case == "ends":
         assert codes == [0, 0], outs
         assert "TCPStore" not in outs[1][1] and "Broken pipe" not in outs[1][1], outs[1][1]
     else:
         assert codes == [0, 1], outs
         assert "RankGoneError: all_reduce: rank 0 " in outs[1][1], outs[1][1]
+
+
+KILLED_WITHOUT_A_LAUNCHER = """
+import os, signal, sys, torch, distkit.dist as dist
+dist.init_dist()  # torch's timeout: 30 minutes
+r = dist.get_rank()
+for step in range({steps}):
+    if r == 2 and step == {leave}:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does
+    try:
+        dist.all_reduce(torch.ones(2))
+    except dist.RankGoneError as exc:
+        print(str(exc).split(" while ")[0], flush=True)
+        sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(("steps", "leave"), [(1, 0), (6, 5)], ids=["checked", "unchecked"])
+def test_a_rank_killed_without_a_launcher_is_named_at_once(steps, leave, tmp_path):
+    # nobody notes the exit code of a rank srun or mpirun started: the ranks waiting for
+    # it in a checked call (which meets on the store, not in the backend) waited for the
+    # world's timeout. The kernel knows its process is gone.
+    codes, outs = _by_hand(tmp_path, KILLED_WITHOUT_A_LAUNCHER.format(steps=steps, leave=leave), 3)
+    assert codes == [3, 3, -signal.SIGKILL], outs
+    for out, _ in outs[:2]:
+        assert out.startswith("all_reduce: rank 2 died: its process (pid "), out
+        assert "on this machine) is gone and left no exit note" in out, out
+
+
+class _World:
+    """What a board reads of its default group."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_rank_is_found_gone_by_its_process_only_when_it_is():
+    # a rank's process running, sleeping or stopped (a debugger) is there; a zombie or a
+    # reaped one is not; a record an earlier run left on a reused store, or one of
+    # another machine, tells nothing
+    import subprocess
+
+    from torch.distributed import HashStore
+
+    from distkit.dist.guard import board as _board
+
+    world = _World()
+    board = _board.Board(world, HashStore(), 1)
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            start = f.read().rsplit(")", 1)[1].split()[19]
+        me = _board._process()
+        record = {**me, "pid": proc.pid, "start": start, "posted": _board._since_boot()}
+
+        def seen(**change):
+            board.procs.clear()
+            board.post(board.key("proc", 1), {**record, **change})
+            return board.exits([1]).get(1)
+
+        assert seen() is None
+        proc.send_signal(signal.SIGSTOP)
+        assert seen() is None
+        assert seen(start=str(int(start) + 1)) == {"how": "vanished", "pid": proc.pid}  # reused
+        proc.kill()
+        time.sleep(0.2)  # a zombie: not reaped yet
+        assert seen() == {"how": "vanished", "pid": proc.pid}
+        proc.wait()
+        assert seen() == {"how": "vanished", "pid": proc.pid}
+        assert seen(posted=0.0) is None  # before this process started: an earlier run's
+        assert seen(boot="another machine") is None
+        assert _board.describe_exit(1, seen()).startswith(
+            f"rank 1 died: its process (pid {proc.pid}, on this machine) is gone"
+        )
+    finally:
+        proc.kill()
+        proc.wait()

@@ -57,6 +57,8 @@ class Board:
         "groups",
         "host",
         "pg",
+        "probe",
+        "procs",
         "rank",
         "root",
         "run",
@@ -80,6 +82,17 @@ class Board:
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         hosted = type(self.root).__name__ == "TCPStore" and not agent
         self.host: Optional[int] = 0 if hosted else None
+        # a rank killed outside ``distkit launch`` (which notes every rank's exit code)
+        # leaves no note: where the kernel can tell, the ranks of this machine are looked
+        # up by their process (see vanished)
+        self.probe = not self.run.startswith("distkit-")
+        self.procs: dict[int, dict] = {}  # the process records read so far, by rank
+        me = _process()
+        if self.probe and me is not None:
+            try:  # when: a record of an earlier run on a reused store is not this rank's
+                self.post(self.key("proc", self.rank), {**me, "posted": _since_boot()})
+            except Exception:  # the store is gone already: nothing to look up
+                pass
 
     def key(self, *parts: Any) -> str:
         return "/".join([self.tag, *map(str, parts)])
@@ -157,19 +170,90 @@ class Board:
     # -- exits ------------------------------------------------------------------------
 
     def exits(self, ranks: list[int]) -> dict[int, dict]:
-        """The exit notes of those of ``ranks`` that left one (by global rank)."""
+        """The exit notes of those of ``ranks`` that left one (by global rank), and for
+        those that left none, a note for each whose process is gone (:meth:`vanished`)."""
         found = {}
         for r in ranks:
             key = exit_key(r, self.run)
             if self.root.check([key]):
                 found[r] = json.loads(bytes(self.root.get(key)).decode())
+            elif self.probe:
+                note = self.vanished(r)
+                if note is not None:
+                    found[r] = note
         return found
+
+    def vanished(self, rank: int) -> Optional[dict]:
+        """A note for ``rank`` when its process is gone, or ``None`` when it is alive or
+        this rank cannot tell. Only the kernel knows a process killed by SIGKILL or the
+        out-of-memory killer is gone, and only for processes it runs: ranks of this
+        machine (same boot, same pid namespace) are looked up by pid; a rank of another
+        machine, or one that never posted its record, is not."""
+        record = self.procs.get(rank)
+        if record is None:
+            record = self.read(self.key("proc", rank))
+            if record is None:
+                return None
+            self.procs[rank] = record
+        me = _process()
+        if me is None or (record.get("boot"), record.get("ns")) != (me["boot"], me["ns"]):
+            return None
+        if record.get("posted", -1.0) < int(me["start"]) / _TICKS:
+            # posted before this process started, so not in this world (its ranks post
+            # once they all met): an earlier run's, on a store it left behind
+            return None
+        pid = record["pid"]
+        try:
+            state, start = _stat(pid)
+        except (OSError, ValueError, IndexError):  # no such process
+            state, start = "X", None
+        if start == record["start"] and state not in "ZX":
+            return None  # alive (running, sleeping, or stopped under a debugger)
+        return {"how": "vanished", "pid": pid}
 
     def post_exit(self, note: dict) -> None:
         key = exit_key(self.rank, self.run)
         if self.root.check([key]):  # the launcher's code, or an earlier note
             note = {**json.loads(bytes(self.root.get(key)).decode()), **note}
         self.root.set(key, json.dumps(note))
+
+
+def _stat(pid: int) -> tuple[str, str]:
+    """A process's state letter and start time (in clock ticks since boot), from Linux's
+    ``/proc/<pid>/stat`` (its name, in parentheses, may hold spaces)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return fields[0], fields[19]
+
+
+def _since_boot() -> float:
+    """Seconds since this machine booted (the clock of processes' start times)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_me: Optional[tuple[int, Optional[dict]]] = None  # (pid, record): a fork has its own
+
+
+def _process() -> Optional[dict]:
+    """This process as the kernel knows it (its boot, pid namespace, pid and start time),
+    or ``None`` where there is no ``/proc`` to read (not Linux)."""
+    global _me
+    pid = os.getpid()
+    if _me is None or _me[0] != pid:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+            record: Optional[dict] = {
+                "boot": boot,
+                "ns": os.readlink("/proc/self/ns/pid"),
+                "pid": pid,
+                "start": _stat(pid)[1],
+            }
+        except (OSError, ValueError, IndexError):
+            record = None
+        _me = (pid, record)
+    return _me[1]
 
 
 _lock = threading.Lock()
@@ -284,9 +368,21 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
 
 
+def final(note: dict) -> bool:
+    """Whether an exit note says all there is to know: ``distkit launch`` adds the exit
+    code to a rank's own note; a rank found gone by its process gets no code."""
+    return "code" in note or note.get("how") == "vanished"
+
+
 def describe_exit(rank: int, note: dict) -> str:
     """``rank 1 exited (code 0)``, from a rank's exit note."""
     code = note.get("code")
+    if note.get("how") == "vanished":
+        return (
+            f"rank {rank} died: its process (pid {note.get('pid')}, on this machine) is "
+            "gone and left no exit note (killed by a signal such as SIGKILL or the "
+            "out-of-memory killer, crashed, or ended by os._exit)"
+        )
     if code is not None and code < 0:
         text = f"rank {rank} was killed by signal {-code}"
     elif code is not None:

@@ -13,6 +13,8 @@ happens.
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -44,15 +46,59 @@ _POLL = 0.05
 _LINGER = 4 * _POLL
 
 
-def _gather_posts(store: Any, me: int, others: list[int]) -> dict[int, dict]:
-    """The other ranks' posts, waiting up to the grace for each to appear."""
+#: This process's posts, by thread: a rank's post holds all of them, so two of its
+#: threads timing out at once (a handle waited in one, a collective in another) neither
+#: write over each other's nor take it away
+_posts: dict[int, dict] = {}
+_posts_lock = threading.Lock()
+
+
+def _post(store: Any, me: int, where: dict) -> None:
+    with _posts_lock:
+        _posts[threading.get_ident()] = where
+        store.set(_key(me), json.dumps(list(_posts.values())))
+
+
+def _unpost(store: Any, me: int) -> None:
+    with _posts_lock:
+        _posts.pop(threading.get_ident(), None)
+        if _posts:
+            store.set(_key(me), json.dumps(list(_posts.values())))
+        else:
+            store.delete_key(_key(me))
+
+
+def _after_fork() -> None:
+    global _posts_lock
+    _posts.clear()  # the parent's threads are not the child's
+    _posts_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def _pick(posts: Any, gid: str, seq: int) -> dict:
+    """Of a rank's posts (one per thread of it that timed out), the one in call ``seq``
+    of group ``gid``, else one on that group, else the first."""
+    if isinstance(posts, dict):
+        posts = [posts]
+    return min(
+        posts,
+        key=lambda p: (p.get("gid") != gid, p.get("seq") != seq and seq not in p.get("flight", ())),
+    )
+
+
+def _gather_posts(store: Any, others: list[int], gid: str, seq: int) -> dict[int, dict]:
+    """The other ranks' posts (of each, the one that concerns call ``seq`` of group
+    ``gid``), waiting up to the grace for each to appear."""
     reports: dict[int, dict] = {}
     deadline = time.monotonic() + float(_settings.get("hang_grace"))
     pending = list(others)
     while pending and time.monotonic() < deadline:
         for r in list(pending):
             if store.check([_key(r)]):
-                reports[r] = json.loads(store.get(_key(r)))
+                reports[r] = _pick(json.loads(store.get(_key(r))), gid, seq)
                 pending.remove(r)
         if pending:
             time.sleep(_POLL)
@@ -90,8 +136,8 @@ def diagnose(
     store = None
     try:
         store = default_store()
-        store.set(_key(me), json.dumps(where))
-        reports = _gather_posts(store, me, [r for r in ranks if r != me])
+        _post(store, me, where)
+        reports = _gather_posts(store, [r for r in ranks if r != me], gid, seq)
     except Exception as store_error:  # the store may be gone too
         note = f" (could not ask the other ranks through the store: {store_error})"
     finally:
@@ -100,7 +146,7 @@ def diagnose(
             # yet: they look every POLL seconds
             time.sleep(_LINGER)
             try:  # leaving this collective: a later timeout must not read this post
-                store.delete_key(_key(me))
+                _unpost(store, me)
             except Exception:
                 pass
     gone: dict[int, dict] = {}  # how the ranks that posted nothing left, if they did
@@ -222,15 +268,17 @@ def gone_error(
     while this rank waited in call ``seq`` (``exc``: the backend's error, if any)."""
     gone = {int(r): note for r, note in gone.items()}
 
-    def when(item: tuple[int, Any]) -> tuple[float, int]:
-        note = item[1]
-        return (note.get("t", float("inf")) if isinstance(note, dict) else float("inf"), item[0])
+    def when(item: tuple[int, Any]) -> tuple[bool, float, int]:
+        # a rank found gone by its process (killed: no note, no time) is the likely
+        # cause of the others' exits (a rank that saw it go raises, and leaves a note)
+        note = item[1] if isinstance(item[1], dict) else {}
+        return (note.get("how") != "vanished", note.get("t", float("inf")), item[0])
 
     told = [
         describe_exit(r, note) if isinstance(note, dict) else f"rank {r} {note}"
         for r, note in sorted(gone.items(), key=when)
     ]
-    if len(told) > 1:  # in the order they left: the first is the likely cause
+    if len(told) > 1:  # the likely cause first (see when), then the order they left in
         told = [f"{told[0]} first", *(f"then {t}" for t in told[1:])]
     ranks = comm.global_ranks()
     default = comm.pg is _registry.current._default_pg
@@ -260,7 +308,7 @@ def peer_gone(comm: Comm, public: str, seq: int, exc: BaseException) -> RuntimeE
             deadline = time.monotonic() + 1.0  # the launcher's exit code follows the note
             while True:
                 found = board.exits(others)
-                if found and all("code" in n for n in found.values()):
+                if found and all(_board.final(n) for n in found.values()):
                     break
                 if time.monotonic() >= deadline:
                     break

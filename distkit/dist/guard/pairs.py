@@ -525,7 +525,7 @@ def peer_gone(comm: Comm, public: str, op: Op, exc: BaseException) -> BaseExcept
             deadline = time.monotonic() + 1.0  # the launcher's exit code follows the note
             while True:
                 found = board.exits([peer])
-                if (found and "code" in found[peer]) or time.monotonic() >= deadline:
+                if (found and _board.final(found[peer])) or time.monotonic() >= deadline:
                     break
                 time.sleep(_board.POLL)
     except Exception:  # the store went away too
