@@ -1372,6 +1372,14 @@ class _World:
         return 2
 
 
+#: A process whose main thread ended while another thread runs: its main thread reads as
+#: a zombie
+MAIN_THREAD_ENDS = (
+    "import ctypes, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+    "time.sleep(0.2); ctypes.CDLL(None).pthread_exit(None)"
+)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_rank_is_found_gone_by_its_process_only_when_it_is():
     # a rank's process running, sleeping or stopped (a debugger) is there; a zombie or a
@@ -1383,34 +1391,47 @@ def test_a_rank_is_found_gone_by_its_process_only_when_it_is():
 
     from distkit.dist.guard import board as _board
 
-    world = _World()
-    board = _board.Board(world, HashStore(), 1)
-    proc = subprocess.Popen(["sleep", "60"])
-    try:
+    board = _board.Board(_World(), HashStore(), 1)
+    procs = []
+
+    def start(*command: str) -> tuple[int, dict]:
+        proc = subprocess.Popen(command)
+        procs.append(proc)
         with open(f"/proc/{proc.pid}/stat") as f:
-            start = f.read().rsplit(")", 1)[1].split()[19]
-        me = _board._process()
-        record = {**me, "pid": proc.pid, "start": start, "posted": _board._since_boot()}
+            began = f.read().rsplit(")", 1)[1].split()[19]
+        posted = _board._since_boot()
+        return proc, {**_board._process(), "pid": proc.pid, "start": began, "posted": posted}
 
-        def seen(**change):
-            board.procs.clear()
-            board.post(board.key("proc", 1), {**record, **change})
-            return board.exits([1]).get(1)
+    def seen(record: dict, **change: Any) -> Any:
+        board.procs.clear()
+        board.post(board.key("proc", 1), {**record, **change})
+        return board.exits([1]).get(1)
 
-        assert seen() is None
+    try:
+        proc, record = start("sleep", "60")
+        gone = {"how": "vanished", "pid": proc.pid}
+        assert seen(record) is None
         proc.send_signal(signal.SIGSTOP)
-        assert seen() is None
-        assert seen(start=str(int(start) + 1)) == {"how": "vanished", "pid": proc.pid}  # reused
+        assert seen(record) is None
+        assert seen(record, start=str(int(record["start"]) + 1)) == gone  # its pid, reused
         proc.kill()
         time.sleep(0.2)  # a zombie: not reaped yet
-        assert seen() == {"how": "vanished", "pid": proc.pid}
+        assert seen(record) == gone
         proc.wait()
-        assert seen() == {"how": "vanished", "pid": proc.pid}
-        assert seen(posted=0.0) is None  # before this process started: an earlier run's
-        assert seen(boot="another machine") is None
-        assert _board.describe_exit(1, seen()).startswith(
+        assert seen(record) == gone
+        assert seen(record, boot="another machine") is None
+        assert seen(record, posted=0.0) is None  # before this process began: an earlier run's
+        board.post(board.key("proc", 1), record)  # ... not kept: the rank's own is read
+        assert board.exits([1]) == {1: gone}
+        assert _board.describe_exit(1, gone).startswith(
             f"rank 1 died: its process (pid {proc.pid}, on this machine) is gone"
         )
+        threads, record = start(sys.executable, "-c", MAIN_THREAD_ENDS)
+        time.sleep(1.0)
+        with open(f"/proc/{threads.pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        assert seen(record) is None
     finally:
-        proc.kill()
-        proc.wait()
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -189,27 +189,20 @@ class Board:
         out-of-memory killer is gone, and only for processes it runs: ranks of this
         machine (same boot, same pid namespace) are looked up by pid; a rank of another
         machine, or one that never posted its record, is not."""
+        me = _process()
         record = self.procs.get(rank)
-        if record is None:
+        if record is None and me is not None:
             record = self.read(self.key("proc", rank))
-            if record is None:
+            if record is None or record.get("posted", -1.0) < int(me["start"]) / _TICKS:
+                # none yet, or posted before this process started, so not in this world
+                # (its ranks post once they all met): an earlier run's, on a store it
+                # left behind (read again next time: the rank's own may come)
                 return None
             self.procs[rank] = record
-        me = _process()
-        if me is None or (record.get("boot"), record.get("ns")) != (me["boot"], me["ns"]):
-            return None
-        if record.get("posted", -1.0) < int(me["start"]) / _TICKS:
-            # posted before this process started, so not in this world (its ranks post
-            # once they all met): an earlier run's, on a store it left behind
+        if me is None or record is None or (record["boot"], record["ns"]) != (me["boot"], me["ns"]):
             return None
         pid = record["pid"]
-        try:
-            state, start = _stat(pid)
-        except (OSError, ValueError, IndexError):  # no such process
-            state, start = "X", None
-        if start == record["start"] and state not in "ZX":
-            return None  # alive (running, sleeping, or stopped under a debugger)
-        return {"how": "vanished", "pid": pid}
+        return None if _alive(pid, record["start"]) else {"how": "vanished", "pid": pid}
 
     def post_exit(self, note: dict) -> None:
         key = exit_key(self.rank, self.run)
@@ -224,6 +217,32 @@ def _stat(pid: int) -> tuple[str, str]:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return fields[0], fields[19]
+
+
+def _alive(pid: int, start: str) -> bool:
+    """Whether process ``pid``, started at ``start`` (clock ticks since boot), is there:
+    running, sleeping, or stopped (under a debugger); not when it is gone, a zombie
+    (dead, not yet reaped: unless its main thread alone ended, with others running), or
+    another process that took its pid since."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it is there
+        pass
+    try:
+        state, started = _stat(pid)
+        if state in "ZX":
+            return started == start and len(os.listdir(f"/proc/{pid}/task")) > 1
+    except (OSError, ValueError, IndexError):  # gone meanwhile, or /proc hides it
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True  # cannot tell: never call a rank dead on a guess
+    return started == start
 
 
 def _since_boot() -> float:
