@@ -14,6 +14,7 @@ import ctypes
 import functools
 import importlib.abc
 import importlib.util
+import os
 import sys
 import time
 import weakref
@@ -338,6 +339,7 @@ SETTLE_SECONDS = 0.02
 
 
 def _at_exit() -> None:
+    _keep_inherited()
     _let_go()
     world: Any = getattr(c10d, "_world", None)
     if _lingering or getattr(world, "pg_map", None):
@@ -356,7 +358,41 @@ def _at_exit() -> None:
     _lingering.clear()
 
 
+#: In a forked child: the groups and backends it got from its parent (see _keep_inherited)
+_inherited: list[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    # Python objects only: a C++ call in a fork's child could wait for a lock that a
+    # thread of the parent held
+    world: Any = getattr(c10d, "_world", None)
+    _inherited[:] = [backend for _, backends in _lingering for backend in backends]
+    _inherited.extend(getattr(world, "pg_map", None) or ())
+    _lingering.clear()
+
+
+def _keep_inherited() -> None:
+    """A forked child that ends with ``sys.exit`` (one that ends with ``os._exit``, as
+    ``multiprocessing``'s do, runs none of this) has none of its parent's threads, and
+    freeing a gloo backend joins its threads, for which it would wait for ever: every
+    backend inherited from the parent is kept."""
+    held = []
+    for item in _inherited:
+        if not isinstance(item, td.ProcessGroup):
+            held.append(item)
+            continue
+        for device in ("cpu", "cuda"):
+            try:
+                held.append(item._get_backend(torch.device(device)))
+            except Exception:  # no backend for that device
+                pass
+    for backend in held:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(backend))
+
+
 atexit.register(_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def is_registered(pg: Any) -> bool:

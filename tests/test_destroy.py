@@ -131,6 +131,36 @@ def test_a_group_that_outlives_destroy_dist_keeps_its_backend_until_it_goes():
     assert run(["-c", HELD]).stdout.strip() == "let go"
 
 
+FORKED = """
+import os, sys, tempfile, time, torch, torch.distributed as td
+import distkit.dist as dist
+
+path = os.path.join(tempfile.mkdtemp(), "store")
+td.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+dist.all_reduce(torch.ones(2))
+dist.all_reduce(torch.ones(2), group=[0])  # a group distkit creates and caches
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # its exit hooks run, then the interpreter tears down
+for _ in range(200):
+    done, status = os.waitpid(child, os.WNOHANG)
+    if done:
+        print("child ended", os.waitstatus_to_exitcode(status))
+        break
+    time.sleep(0.05)
+else:
+    os.kill(child, 9)
+    print("child hung")
+"""
+
+
+def test_a_forked_child_that_exits_does_not_wait_for_its_parents_threads():
+    # a fork's child has none of its parent's threads: freeing an inherited gloo backend
+    # at its exit waited for them for ever (a child that ends with os._exit, as
+    # multiprocessing's do, never frees them)
+    assert run(["-c", FORKED]).stdout.strip() == "child ended 0"
+
+
 def test_buffers_distkit_makes_for_a_group_own_their_memory():
     """A tensor made by ``torch.frombuffer`` holds a Python object, and freeing it takes
     the GIL: when a gloo worker thread frees one as the interpreter exits, the process
