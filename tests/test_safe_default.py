@@ -1336,30 +1336,92 @@ def test_a_world_whose_store_rank_0_hosts(case, tmp_path):
 
 
 KILLED_WITHOUT_A_LAUNCHER = """
-import os, signal, sys, torch, distkit.dist as dist
+import os, signal, sys, time, torch, distkit.dist as dist
 dist.init_dist()  # torch's timeout: 30 minutes
 r = dist.get_rank()
 for step in range({steps}):
     if r == 2 and step == {leave}:
+        time.sleep({late})
+        print(f"died at {{time.time()}}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does
     try:
         dist.all_reduce(torch.ones(2))
     except dist.RankGoneError as exc:
-        print(str(exc).split(" while ")[0], flush=True)
+        print(f"raised at {{time.time()}}:", str(exc).split(" while ")[0], flush=True)
         sys.exit(3)
 """
 
 
-@pytest.mark.parametrize(("steps", "leave"), [(1, 0), (6, 5)], ids=["checked", "unchecked"])
-def test_a_rank_killed_without_a_launcher_is_named_at_once(steps, leave, tmp_path):
+@pytest.mark.parametrize(
+    ("steps", "leave", "late"),
+    [(1, 0, 0), (1, 0, 8), (6, 5, 0)],
+    ids=["checked", "checked-after-a-long-wait", "unchecked"],
+)
+def test_a_rank_killed_without_a_launcher_is_named_at_once(steps, leave, late, tmp_path):
     # nobody notes the exit code of a rank srun or mpirun started: the ranks waiting for
     # it in a checked call (which meets on the store, not in the backend) waited for the
-    # world's timeout. The kernel knows its process is gone.
-    codes, outs = _by_hand(tmp_path, KILLED_WITHOUT_A_LAUNCHER.format(steps=steps, leave=leave), 3)
+    # world's timeout. The kernel knows its process is gone; it is looked for every
+    # second, however long the wait has lasted (not at the roll calls, 8 s apart by then)
+    source = KILLED_WITHOUT_A_LAUNCHER.format(steps=steps, leave=leave, late=late)
+    codes, outs = _by_hand(tmp_path, source, 3)
     assert codes == [3, 3, -signal.SIGKILL], outs
+    died = float(outs[2][0].split("died at ")[1])
     for out, _ in outs[:2]:
-        assert out.startswith("all_reduce: rank 2 died: its process (pid "), out
-        assert "on this machine) is gone and left no exit note" in out, out
+        raised, said = out.split("raised at ")[1].split(": ", 1)
+        assert said.startswith("all_reduce: rank 2 died: its process (pid "), out
+        assert "on this machine) is gone and left no exit note" in said, out
+        assert float(raised) - died < 4.0, out
+
+
+SIGNAL_IN_A_CHECK = """
+import signal, sys, time, torch, distkit.dist as dist
+dist.init_dist()
+if dist.get_rank() == 1:
+    time.sleep(3)  # late: rank 0 waits for it in the check of its first call
+else:
+    def alarm(*_):
+        raise TimeoutError("the caller's own timeout")
+    signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(1)
+    try:
+        dist.all_reduce(torch.ones(2))
+        print("rank 0 returned", flush=True)
+    except TimeoutError as exc:
+        print("rank 0 raised", exc, flush=True)
+    sys.exit(3)
+dist.all_reduce(torch.ones(2))
+"""
+
+
+def test_an_error_a_signal_handler_raises_in_a_check_is_the_callers(tmp_path):
+    # a check's wait took any error for a failure of the store: it went on unchecked,
+    # and its rank no longer checked calls the others still check (a deadlock at the next)
+    codes, outs = _by_hand(tmp_path, SIGNAL_IN_A_CHECK)
+    assert outs[0][0] == "rank 0 raised the caller's own timeout\n", outs
+    assert codes[0] == 3 and "RankGoneError: all_reduce: rank 0 " in outs[1][1], outs
+
+
+HOST_GOES_IN_A_GROUP = """
+import os, signal, time, torch, distkit.dist as dist
+from distkit.utils import get_group
+dist.init_dist()
+r = dist.get_rank()
+if r == 0:
+    os.kill(os.getpid(), signal.SIGKILL)  # it hosts the store (env:// alone)
+time.sleep(2 * (r == 1))  # rank 2 waits for rank 1 in the creation when the store goes
+try:
+    get_group([1, 2])
+except dist.RankGoneError as exc:
+    print(str(exc).split(" while ")[0], flush=True)
+"""
+
+
+def test_a_group_creation_that_loses_the_store_names_its_host(tmp_path):
+    codes, outs = _by_hand(tmp_path, HOST_GOES_IN_A_GROUP, 3)
+    assert codes[0] == -signal.SIGKILL, outs
+    for out, err in outs[1:]:  # not torch's own "Broken pipe", with its C++ frames
+        said = "get_group: rank 0 is gone, and the store it hosted with it\n"
+        assert out == said and "torch.distributed.DistNetworkError" not in err, (out, err)
 
 
 class _World:

@@ -76,6 +76,9 @@ _MASK64 = (1 << 64) - 1
 #: Seconds a rank waits for the others at a check before it asks the watchdogs for help
 #: (a quarter of the group's timeout when that is shorter).
 ASK_AFTER = 0.5
+#: Seconds between two looks for ranks that left, while a check waits (roll calls come
+#: less and less often).
+EXITS_EVERY = 1.0
 _INSIDE = ("distkit.", "torch.")
 
 
@@ -225,7 +228,9 @@ def run(comm: Comm, public: str, fields: dict, must: dict, seq: int) -> None:
             errors.CollectiveMismatchError,
         ):
             raise
-        except Exception:  # the store failed (its host went away): go on unchecked
+        except RuntimeError:  # the store failed (what torch raises for it: its host went
+            # away): go on unchecked (anything else, as an error a signal handler raises
+            # while this rank waits, is the caller's)
             board.dead = True
             return
         if facts.last_check is not None and facts.last_check[0] == seq:
@@ -275,6 +280,17 @@ def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, 
     }
     first = min(ASK_AFTER, limit / 4)
     state: dict[str, Any] = {"at": start + first, "every": first, "asker": None, "roll": None}
+    state["exits_at"] = state["at"]
+
+    def left(now: float) -> bool:
+        """Whether a rank of the group has left (published); looked for every
+        :data:`EXITS_EVERY` seconds whatever the pace of the roll calls."""
+        state["exits_at"] = now + EXITS_EVERY
+        gone = board.exits(others)
+        if gone:
+            board.post(key + "/gone", {str(r): note for r, note in gone.items()})
+            board.publish(key + "/done", _GONE)
+        return bool(gone)
 
     def on_pause(now: float) -> None:
         roll = state["roll"]
@@ -286,15 +302,14 @@ def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, 
                 board.post(key + "/stop", verdict)
                 board.publish(key + "/done", _GONE if verdict["gone"] else _SKIP)
                 return
+        if state["asker"] and now >= state["exits_at"] and left(now):
+            return
         if now < state["at"]:
             return
         if state["asker"] is None:
             state["asker"] = board.add(key + "/asked", 1) == 1
         if state["asker"]:
-            gone = board.exits(others)
-            if gone:
-                board.post(key + "/gone", {str(r): note for r, note in gone.items()})
-                board.publish(key + "/done", _GONE)
+            if left(now):
                 return
             state["roll"] = board.ask(request)
             board.post(key + "/roll", state["roll"])  # every waiting rank reads the answers

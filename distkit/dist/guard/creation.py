@@ -46,16 +46,20 @@ def agree(ranks: tuple[int, ...], backend: str, seconds: Optional[float]) -> Non
     """Check with every rank of the world that it creates this group (``ranks``,
     ``backend``, ``seconds``) now; raise ``ValueError`` on every rank if they differ."""
     board = _board.board()
-    if board is None or board.dead or board.size == 1:
+    if board is None or board.size == 1:
         return
-    board.groups += 1
-    k = board.groups
+    k = board.groups + 1
     site = debugmode.call_site()
+    what = f"get_group({list(ranks)}) (the world's group creation #{k}) at {site}"
+    if board.dead:
+        _store_gone(board, what, None)
+        return
+    board.groups = k
     mine = {"ranks": list(ranks), "backend": backend, "timeout": seconds, "site": site}
     keys = {r: board.key("group", k, r) for r in range(board.size)}
     try:
         board.post(keys[board.rank], mine)
-        posts = _await(board, keys, k, mine, site)
+        posts = _await(board, keys, k, what)
     except (errors.CollectiveTimeoutError, errors.CollectiveMismatchError, errors.RankGoneError):
         # nothing was created: the number is taken again by this rank's next creation,
         # which is the missing ranks' first (its post goes, or they would read it)
@@ -65,9 +69,10 @@ def agree(ranks: tuple[int, ...], backend: str, seconds: Optional[float]) -> Non
         except Exception:  # a store without deletion: a later post writes over it
             pass
         raise
-    except Exception:  # the store failed (its host went away): create unchecked
+    except RuntimeError as exc:  # the store failed (what torch raises for it)
         board.dead = True
-        return
+        _store_gone(board, what, exc)
+        return  # a launcher's store or a file: create unchecked
     said = {r: _said(post, posts) for r, post in sorted(posts.items())}
     if len(set(said.values())) > 1:  # as get_group's other errors: the caller says where
         where = {r: f"{said[r]} at {post['site']}" for r, post in sorted(posts.items())}
@@ -75,6 +80,20 @@ def agree(ranks: tuple[int, ...], backend: str, seconds: Optional[float]) -> Non
             f"get_group: the ranks create different process groups at the world's group "
             f"creation #{k}: {by_value(where)}. {_FIX}"
         )
+
+
+def _store_gone(board: _board.Board, what: str, exc: Optional[BaseException]) -> None:
+    """The world's store failed (``exc``) or went before: under ``env://`` alone its host,
+    rank 0, went away with it, and torch's creation of the group, which meets on the
+    store, would fail with the store's own error (raise the rank's instead)."""
+    if board.host is None or board.host == board.rank:
+        return
+    said = f". The store said: {exc}" if exc is not None else ""
+    raise errors.RankGoneError(
+        f"get_group: rank {board.host} is gone, and the store it hosted with it while rank "
+        f"{board.rank} waited in {what}{said}",
+        {board.host: {}},
+    ) from None
 
 
 def _said(post: dict, posts: dict[int, dict]) -> str:
@@ -86,7 +105,7 @@ def _said(post: dict, posts: dict[int, dict]) -> str:
     return text
 
 
-def _await(board: _board.Board, keys: dict[int, str], k: int, mine: dict, site: str) -> dict:
+def _await(board: _board.Board, keys: dict[int, str], k: int, what: str) -> dict:
     """Every rank's post for creation ``k``. Ranks that have not come are asked where
     they are (after half a second, then less and less often): one that exited, or waits
     in a collective or a receive that needs this rank (it skipped the creation: a group
@@ -101,7 +120,6 @@ def _await(board: _board.Board, keys: dict[int, str], k: int, mine: dict, site: 
     every = min(_check.ASK_AFTER, limit / 4)  # as the default check asks
     ask_at, roll = start + every, None
     posts: dict[int, dict] = {}
-    what = f"get_group({mine['ranks']}) (the world's group creation #{k}) at {site}"
     while True:
         posts.update(board.collect({r: key for r, key in keys.items() if r not in posts}, 0.0))
         if len(posts) == len(keys):

@@ -278,12 +278,16 @@ def gone_error(
         describe_exit(r, note) if isinstance(note, dict) else f"rank {r} {note}"
         for r, note in sorted(gone.items(), key=when)
     ]
-    if len(told) > 1:  # the likely cause first (see when), then the order they left in
+    timed = all(isinstance(n, dict) and "t" in n for n in gone.values())
+    if len(told) > 1 and timed:  # in the order they left: the first is the likely cause
         told = [f"{told[0]} first", *(f"then {t}" for t in told[1:])]
+    # else the ranks found gone by their process (no time: which died first is not
+    # known) come first, the likely cause, and no order is claimed
     ranks = comm.global_ranks()
     default = comm.pg is _registry.current._default_pg
+    said = (", " if timed else "; ").join(told) or "a rank went away"
     text = (
-        f"{public}: {', '.join(told) or 'a rank went away'} while {_label(comm, ranks[comm.rank])} "
+        f"{public}: {said} while {_label(comm, ranks[comm.rank])} "
         f"waited in {public} at {call_site()} (its call #{seq} on "
         f"{'the default group' if default else group_label(comm)})"
     )

@@ -155,6 +155,10 @@ def watched(method: F) -> F:
                 facts.seq -= 1
             raise
         except Exception as exc:
+            if not started and not isinstance(exc, RuntimeError):
+                # raised while the check waited, not by the store or the backend (whose
+                # errors are RuntimeErrors): the caller's own (a signal handler's), as is
+                raise
             better = _on_error(comm, public, seq)(exc)
             if better is not None:
                 raise better from exc
