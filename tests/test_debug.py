@@ -208,19 +208,19 @@ def test_two_threads_of_a_rank_timing_out_at_once_keep_their_own_posts():
     posted, leave = threading.Event(), threading.Event()
 
     def other_thread():
-        diagnose._post(store, 0, there)
+        diagnose.post(store, 0, there)
         posted.set()
         leave.wait(10)
-        diagnose._unpost(store, 0)
+        diagnose.unpost(store, 0)
 
     thread = threading.Thread(target=other_thread)
     thread.start()
     assert posted.wait(10)
-    diagnose._post(store, 0, here)
+    diagnose.post(store, 0, here)
     # a rank waiting in group 0's call 7 reads this thread's post, one in group 3's the other's
     assert diagnose._gather_posts(store, [0], "0", 7) == {0: here}
     assert diagnose._gather_posts(store, [0], "3", 2) == {0: there}
-    diagnose._unpost(store, 0)  # this thread leaves its call: the other one's post stays
+    diagnose.unpost(store, 0)  # this thread leaves its call: the other one's post stays
     assert diagnose._gather_posts(store, [0], "0", 7) == {0: there}
     leave.set()
     thread.join(10)

@@ -1339,6 +1339,7 @@ KILLED_WITHOUT_A_LAUNCHER = """
 import os, signal, sys, time, torch, distkit.dist as dist
 dist.init_dist()  # torch's timeout: 30 minutes
 r = dist.get_rank()
+dist.barrier()  # every rank is past init_dist
 for step in range({steps}):
     if r == 2 and step == {leave}:
         time.sleep({late})
@@ -1376,6 +1377,7 @@ def test_a_rank_killed_without_a_launcher_is_named_at_once(steps, leave, late, t
 SIGNAL_IN_A_CHECK = """
 import signal, sys, time, torch, distkit.dist as dist
 dist.init_dist()
+dist.barrier()  # every rank is past init_dist
 if dist.get_rank() == 1:
     time.sleep(3)  # late: rank 0 waits for it in the check of its first call
 else:
@@ -1406,6 +1408,7 @@ import os, signal, time, torch, distkit.dist as dist
 from distkit.utils import get_group
 dist.init_dist()
 r = dist.get_rank()
+dist.barrier()  # every rank is past init_dist
 if r == 0:
     os.kill(os.getpid(), signal.SIGKILL)  # it hosts the store (env:// alone)
 time.sleep(2 * (r == 1))  # rank 2 waits for rank 1 in the creation when the store goes

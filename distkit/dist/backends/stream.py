@@ -604,13 +604,11 @@ class Server:
     def stuck_dst(self) -> Optional[dict]:
         """Where ``dst`` waits, when it reports a hang in another collective (it posts
         where it waits to the store, :mod:`distkit.dist.guard.diagnose`)."""
-        key = diagnose._key(self.dst_global)
-        store = self.mailbox.store
-        if not store.check([key]):
-            return None
-        post = json.loads(store.get(key))
+        posts = diagnose.posts_of(self.mailbox.store, self.dst_global)
         # dst reporting a rank of one of its streams that does not answer: FAILED follows
-        return None if post.get("call") == self.fn else post
+        if not posts or any(post.get("call") == self.fn for post in posts):
+            return None
+        return posts[0]
 
     def dst_went_elsewhere(self, post: dict) -> NoReturn:
         """Raise: ``dst`` waits in another collective (``post``) instead of asking.
@@ -621,15 +619,15 @@ class Server:
         comm, fn, opened = self.comm, self.fn, self.opened
         self.finish()
         store = self.mailbox.store
-        mine = diagnose._key(comm.global_rank(comm.rank))
+        me = comm.global_rank(comm.rank)
         where = {"group": comm.global_ranks(), "call": fn, "seq": opened.seq, "site": self.site}
-        store.set(mine, json.dumps(where))
+        diagnose.post(store, me, where)
         try:
             deadline = time.monotonic() + float(_settings.get("hang_grace")) + 1.0
-            while store.check([diagnose._key(self.dst_global)]) and time.monotonic() < deadline:
+            while diagnose.posts_of(store, self.dst_global) and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
-            store.delete_key(mine)
+            diagnose.unpost(store, me)
         group = (
             "this group"
             if post.get("group") == comm.global_ranks()

@@ -53,13 +53,15 @@ _posts: dict[int, dict] = {}
 _posts_lock = threading.Lock()
 
 
-def _post(store: Any, me: int, where: dict) -> None:
+def post(store: Any, me: int, where: dict) -> None:
+    """Post where this thread of global rank ``me`` waits (beside its other threads')."""
     with _posts_lock:
         _posts[threading.get_ident()] = where
         store.set(_key(me), json.dumps(list(_posts.values())))
 
 
-def _unpost(store: Any, me: int) -> None:
+def unpost(store: Any, me: int) -> None:
+    """Take this thread's post away (the rank's key goes with its last)."""
     with _posts_lock:
         _posts.pop(threading.get_ident(), None)
         if _posts:
@@ -76,6 +78,16 @@ def _after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
+
+
+def posts_of(store: Any, rank: int) -> list[dict]:
+    """Where the threads of global rank ``rank`` that report a timeout wait (its posts;
+    none when it reports none)."""
+    key = _key(rank)
+    if not store.check([key]):
+        return []
+    posts = json.loads(store.get(key))
+    return [posts] if isinstance(posts, dict) else posts
 
 
 def _pick(posts: Any, gid: str, seq: int) -> dict:
@@ -136,7 +148,7 @@ def diagnose(
     store = None
     try:
         store = default_store()
-        _post(store, me, where)
+        post(store, me, where)
         reports = _gather_posts(store, [r for r in ranks if r != me], gid, seq)
     except Exception as store_error:  # the store may be gone too
         note = f" (could not ask the other ranks through the store: {store_error})"
@@ -146,7 +158,7 @@ def diagnose(
             # yet: they look every POLL seconds
             time.sleep(_LINGER)
             try:  # leaving this collective: a later timeout must not read this post
-                _unpost(store, me)
+                unpost(store, me)
             except Exception:
                 pass
     gone: dict[int, dict] = {}  # how the ranks that posted nothing left, if they did
