@@ -302,15 +302,13 @@ def _await(board: Board, key: str, comm: Comm, facts: _GroupFacts, public: str, 
                 board.post(key + "/stop", verdict)
                 board.publish(key + "/done", _GONE if verdict["gone"] else _SKIP)
                 return
+        if state["asker"] is None and now >= state["at"]:
+            state["asker"] = board.add(key + "/asked", 1) == 1
         if state["asker"] and now >= state["exits_at"] and left(now):
-            return
+            return  # at the first roll call, then every EXITS_EVERY seconds
         if now < state["at"]:
             return
-        if state["asker"] is None:
-            state["asker"] = board.add(key + "/asked", 1) == 1
         if state["asker"]:
-            if left(now):
-                return
             state["roll"] = board.ask(request)
             board.post(key + "/roll", state["roll"])  # every waiting rank reads the answers
         else:

@@ -86,15 +86,12 @@ def posts_of(store: Any, rank: int) -> list[dict]:
     key = _key(rank)
     if not store.check([key]):
         return []
-    posts = json.loads(store.get(key))
-    return [posts] if isinstance(posts, dict) else posts
+    return json.loads(store.get(key))
 
 
-def _pick(posts: Any, gid: str, seq: int) -> dict:
+def _pick(posts: list[dict], gid: str, seq: int) -> dict:
     """Of a rank's posts (one per thread of it that timed out), the one in call ``seq``
     of group ``gid``, else one on that group, else the first."""
-    if isinstance(posts, dict):
-        posts = [posts]
     return min(
         posts,
         key=lambda p: (p.get("gid") != gid, p.get("seq") != seq and seq not in p.get("flight", ())),
@@ -109,8 +106,9 @@ def _gather_posts(store: Any, others: list[int], gid: str, seq: int) -> dict[int
     pending = list(others)
     while pending and time.monotonic() < deadline:
         for r in list(pending):
-            if store.check([_key(r)]):
-                reports[r] = _pick(json.loads(store.get(_key(r))), gid, seq)
+            posts = posts_of(store, r)
+            if posts:
+                reports[r] = _pick(posts, gid, seq)
                 pending.remove(r)
         if pending:
             time.sleep(_POLL)
