@@ -371,6 +371,12 @@ def _after_fork_in_child() -> None:
     _lingering.clear()
 
 
+def inherited_groups() -> list[Any]:
+    """In a forked child: the process groups it inherited from its parent (empty in a
+    process that was not forked from one that held groups)."""
+    return [item for item in _inherited if isinstance(item, td.ProcessGroup)]
+
+
 def _keep_inherited() -> None:
     """A forked child that ends with ``sys.exit`` (one that ends with ``os._exit``, as
     ``multiprocessing``'s do, runs none of this) has none of its parent's threads, and

@@ -1501,3 +1501,71 @@ def test_a_rank_is_found_gone_by_its_process_only_when_it_is():
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+# -- a forked child of a rank ------------------------------------------------------------
+
+
+def _in_a_fork(call: Any) -> str:
+    """Run ``call`` in a child this process forks: the repr of what it returned, or the
+    error it raised (``"Type: message"``), or ``"timed out"`` after 20 s."""
+    import os
+    import select
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never back into the pool's code
+        os.close(read)
+        try:
+            said = repr(call())
+        except BaseException as exc:  # what the child met, whatever it was
+            said = f"{type(exc).__name__}: {exc}"
+        os.write(write, said.encode()[:60000])  # fits the pipe: the parent reads it after
+        os._exit(0)
+    os.close(write)
+    try:
+        if not select.select([read], [], [], 20)[0]:
+            os.kill(pid, signal.SIGKILL)
+            return "timed out"
+        chunks = []
+        while chunk := os.read(read, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks).decode()
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+
+
+@ranks(2, 3, timeout=90)
+def test_a_forked_child_of_a_rank_cannot_join_its_parents_collectives():
+    # A child forked after init_dist (os.fork, a fork-started DataLoader worker or
+    # multiprocessing.Process) shares its parent's connections: a collective there waited
+    # for the group's timeout (30 minutes by default), and a send could put its bytes on
+    # the parent's connection. It raises at once, naming the parent, and the parent's
+    # world goes on.
+    import os
+
+    rank, size = world()
+    peer = (rank + 1) % size
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(torch.ones(3)),  # the lean lane's case
+        "all_gather": lambda: dist.all_gather(torch.ones(2, dtype=torch.int16)),
+        "broadcast_object": lambda: dist.broadcast_object({"step": 1}),
+        "barrier": dist.barrier,
+        "send": lambda: dist.send(torch.ones(1), dst=peer),
+        "world group by ranks": lambda: dist.all_reduce(torch.ones(1), group=list(range(size))),
+        # a group no rank has made yet: creating one is a collective of the whole world
+        "a new group": lambda: get_group(range(size), timeout=123.0),
+    }
+    for name, call in calls.items():
+        started = time.monotonic()
+        said = _in_a_fork(call)
+        assert time.monotonic() - started < 10, (name, said)
+        assert said.startswith("RuntimeError: "), (name, said)
+        assert f"forked from rank {rank} (pid {os.getpid()})" in said, (name, said)
+        assert "Run collectives in the rank itself" in said, (name, said)
+    # what needs no communication answers as the parent would
+    assert _in_a_fork(world) == repr((rank, size))
+    # the parents' world goes on, every rank's result checked
+    assert dist.all_gather_object(rank) == list(range(size))
+    assert dist.all_reduce(torch.ones(1)).item() == size

@@ -9,11 +9,12 @@ watchdog reads), in :data:`_FACTS`. Deciding which group and which backend a cal
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, NoReturn, Optional, Union
 
 import torch
 from torch import Tensor
@@ -24,8 +25,9 @@ from distkit._compat import (
     backend_name,
     group_name,
     group_timeout,
+    inherited_groups,
 )
-from distkit.dist.core.args import fail
+from distkit.dist.core.args import Where, fail
 from distkit.utils.device import backend_device_types, device_of_type
 from distkit.utils.groups import group_ranks
 
@@ -127,6 +129,8 @@ class _GroupFacts:
         # ... and the point-to-point calls threads wait in now, for the watchdog (token ->
         # (public name, peers' group ranks, tag, thread ident, the ops it waits for))
         self.p2p: dict[int, tuple[str, tuple[int, ...], int, int, tuple[Any, ...]]] = {}
+        if inherited(pg):
+            self.broken = FORKED
 
 
 # Keyed by id and holding the group only weakly: distkit never keeps a process group
@@ -149,6 +153,59 @@ def _forget(ref: weakref.ref) -> None:
     for key, facts in list(_FACTS.items()):
         if facts.ref is ref:
             del _FACTS[key]
+
+
+#: What :attr:`_GroupFacts.broken` says of a group a forked child inherited from its
+#: parent (see :func:`_after_fork`).
+FORKED = "this process is a fork of the rank that made it"
+
+#: In a child forked from a process that held process groups: the parent's pid, else None.
+_forked_from: Optional[int] = None
+
+
+def inherited(pg: ProcessGroup) -> bool:
+    """Whether ``pg`` is a group this process, a fork's child, inherited from its parent."""
+    return _forked_from is not None and any(pg is held for held in inherited_groups())
+
+
+def _after_fork() -> None:
+    # A fork's child shares its parent's connections (the backend's sockets, the store's):
+    # it cannot take part in the parent's collectives, which waited for the group's
+    # timeout (the board's keys are the parent's), and a send could put its bytes on the
+    # parent's connection. Every group it inherited is marked: its next call raises
+    # (Comm.enter), before any communication. Python objects only, as in any fork hook.
+    global _forked_from
+    if not _FACTS and not inherited_groups():
+        return
+    _forked_from = os.getppid()
+    for facts in list(_FACTS.values()):
+        facts.broken = FORKED
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def refuse_forked(fn: str, comm: Where) -> NoReturn:
+    """Raise the error of a call on a group this process inherited from the rank that
+    forked it (see :func:`inherited`)."""
+    parent = ""
+    try:
+        parent = f"rank {torch.distributed.get_rank()} "
+    except Exception:  # the parent's default group is gone: named by its pid alone
+        pass
+    fail(
+        RuntimeError,
+        fn,
+        comm,
+        f"this process was forked from {parent}(pid {_forked_from}) after its process "
+        "group was created, and a forked child cannot take part in its parent's collectives: the "
+        "group's connections are the parent's",
+        "Run collectives in the rank itself and hand data back to it (a DataLoader worker "
+        "returns its batch, a multiprocessing child puts its result in a queue); a child "
+        "that needs a world of its own is started with 'spawn' or 'forkserver' and calls "
+        "init_dist",
+    )
 
 
 def _alive_thread(ident: int) -> Optional[threading.Thread]:
@@ -217,6 +274,8 @@ class Comm:
         if facts is None:
             return 0
         if facts.broken is not None:
+            if facts.broken is FORKED:
+                refuse_forked(fn, self)
             fail(
                 RuntimeError,
                 fn,
