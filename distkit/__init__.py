@@ -12,7 +12,7 @@ The public names are listed once, in ``__init__.pyi``, and loaded on first use, 
 
 from __future__ import annotations
 
-from distkit import _lazy
+from distkit import _lazy, _registry  # noqa: F401 - _registry: its fork hook, from the start
 
 __version__ = "0.3.0"
 

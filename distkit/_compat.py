@@ -216,6 +216,13 @@ def run_at_trace_time(fn: F) -> F:
     return fn if marker is None else marker(fn)
 
 
+def real_object(obj: Any) -> Any:
+    """The object behind the stand-in torch.compile's tracer hands a function run at trace
+    time (a ``FakeScriptObject`` wraps a process group; torch 2.13 keeps the group itself
+    in it), or ``obj`` itself."""
+    return getattr(obj, "real_obj", obj)
+
+
 def get_process_group_ranks(pg: Any) -> list[int]:
     """Global ranks of ``pg``'s members (a constant to torch.compile's tracer)."""
     return td.get_process_group_ranks(pg)
@@ -364,17 +371,12 @@ _inherited: list[Any] = []
 
 def _after_fork_in_child() -> None:
     # Python objects only: a C++ call in a fork's child could wait for a lock that a
-    # thread of the parent held
+    # thread of the parent held (the groups, as distkit._registry reads them for its own
+    # fork hook, which must run where this module was not imported yet)
     world: Any = getattr(c10d, "_world", None)
     _inherited[:] = [backend for _, backends in _lingering for backend in backends]
     _inherited.extend(getattr(world, "pg_map", None) or ())
     _lingering.clear()
-
-
-def inherited_groups() -> list[Any]:
-    """In a forked child: the process groups it inherited from its parent (empty in a
-    process that was not forked from one that held groups)."""
-    return [item for item in _inherited if isinstance(item, td.ProcessGroup)]
 
 
 def _keep_inherited() -> None:

@@ -44,6 +44,32 @@ class _BeforeTorch:
         return bind()._default_pg
 
 
+#: In a fork's child: the process groups its parent held when it forked (read from
+#: torch's registry as Python objects), and the pid of the rank it descends from (the
+#: first process of the line that held them). Empty and ``None`` elsewhere.
+inherited_groups: list[Any] = []
+forked_from: Optional[int] = None
+
+
+def inherited(pg: Any) -> bool:
+    """Whether ``pg`` is a process group this process, a fork's child, inherited: it
+    shares its parent's connections, and cannot take part in its parent's collectives."""
+    return forked_from is not None and any(pg is held for held in inherited_groups)
+
+
+def _after_fork_in_child() -> None:
+    # registered when distkit is imported (before torch may be), Python objects only
+    global forked_from
+    world = getattr(sys.modules.get(_C10D), "_world", None)
+    inherited_groups[:] = getattr(world, "pg_map", None) or ()
+    if inherited_groups and forked_from is None:  # a grandchild names the rank, not the
+        forked_from = os.getppid()  # child between
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 _cells: list[Any] = []  # closure cells holding ``current`` (see watch)
 _guarded: list[Any] = []  # the cells of collectives, holding the guard (see guard)
 

@@ -643,3 +643,15 @@ def test_a_compiled_step_may_hold_the_processes_first_collectives():
     allowed, writing the collectives' closure cells; met while tracing, that write made
     dynamo fail with an internal AssertionError (load_cell) at the next collective."""
     assert run(["-c", COLD], timeout=120).stdout.strip() == "compiled cold"
+
+
+@ranks(2, timeout=COMPILE_TIMEOUT)
+def test_a_forked_child_cannot_compile_its_parents_collectives():
+    # the graph would call the parent's group (its connections are the parent's) and wait
+    # for ever: the trace stops at once instead, naming the rank the child came from
+    from test_safe_default import _in_a_fork
+
+    rank, _ = world()
+    said = _in_a_fork(lambda: _compiled(lambda x: dist.all_reduce(x) * 2)(torch.ones(2)))
+    assert f"this process was forked from rank {rank}" in said, said
+    assert dist.all_reduce(torch.ones(1)).item() == 2  # the parents' world goes on

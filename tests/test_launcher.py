@@ -16,6 +16,7 @@ from helpers_subprocess import alive, run, script_env
 
 import distkit
 import distkit.dist as dist
+from distkit.testing import ranks
 
 
 def rank_square() -> int:
@@ -33,6 +34,14 @@ def test_launch_returns_each_rank_value():
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_launch_other_start_methods(method):
     assert distkit.launch(rank_square, 2, start_method=method) == [0, 1]
+
+
+@ranks(1)
+def test_launch_refuses_to_fork_ranks_from_a_process_with_a_process_group():
+    # the forked ranks inherited the group and failed in torch's init_process_group
+    # ("trying to initialize the default process group twice!")
+    with pytest.raises(ValueError, match="start_method='fork' in a process that has a process"):
+        distkit.launch(rank_square, 2, start_method="fork")
 
 
 def threads() -> tuple[int, object]:

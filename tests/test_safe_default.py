@@ -1566,6 +1566,54 @@ def test_a_forked_child_of_a_rank_cannot_join_its_parents_collectives():
         assert "Run collectives in the rank itself" in said, (name, said)
     # what needs no communication answers as the parent would
     assert _in_a_fork(world) == repr((rank, size))
+    # an async call in flight at the fork: its wait in the child raises, the parent's works
+    handle = dist.all_reduce(torch.full((4,), rank + 1.0), async_op=True)
+    said = _in_a_fork(handle.wait)
+    assert said.startswith("RuntimeError: all_reduce: this process was forked"), said
+    assert handle.wait().tolist() == [size * (size + 1) / 2] * 4
     # the parents' world goes on, every rank's result checked
     assert dist.all_gather_object(rank) == list(range(size))
     assert dist.all_reduce(torch.ones(1)).item() == size
+
+
+FORKED_EXITS = """
+import os, sys, time
+import torch
+import torch.distributed as td
+
+td.init_process_group("gloo")  # torch's own: distkit's collectives not loaded yet
+import distkit.dist as dist
+from distkit.utils import get_group
+
+rank = td.get_rank()
+child = os.fork()
+if child == 0:
+    for call in (lambda: dist.all_reduce(torch.ones(1)), lambda: get_group([0, 1], timeout=9.0)):
+        started = time.monotonic()
+        try:
+            call()
+            print("child: no error")
+        except RuntimeError as exc:
+            print(f"child: {time.monotonic() - started:.1f} s: {exc}")
+    sys.exit(3)  # a real exit: atexit hooks and all
+_, status = os.waitpid(child, 0)
+print("child exit", os.waitstatus_to_exitcode(status))
+print("parents", dist.all_gather_object(rank), dist.all_reduce(torch.ones(1)).item())
+"""
+
+
+def test_a_forked_child_that_exits_is_not_taken_for_its_rank(tmp_path):
+    # A world made by torch, distkit imported but not used before the fork: the child was
+    # not told it is one (distkit's fork hooks came with its modules) and waited. A child
+    # that made a group ended in a board of its own, whose exit note said "rank 0 exited"
+    # and ended the parents' world.
+    codes, outs = _by_hand(tmp_path, FORKED_EXITS)
+    assert codes == [0, 0], outs
+    for rank, (out, err) in enumerate(outs):
+        said = [line for line in out.splitlines() if line.startswith("child: ")]
+        assert len(said) == 2, (out, err)
+        for line in said:
+            seconds = float(line.split()[1])
+            assert seconds < 5 and f"forked from rank {rank} (pid " in line, line
+        assert "child exit 3" in out, (out, err)
+        assert "parents [0, 1] 2.0" in out, (out, err)

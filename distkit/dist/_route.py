@@ -33,6 +33,7 @@ from distkit._compat import (
     group_name,
     is_compiling,
     is_registered,
+    real_object,
     run_at_trace_time,
     under_compile,
 )
@@ -43,7 +44,7 @@ from distkit.dist.backends.traced import TRACED
 from distkit.dist.core import comm as _comm
 from distkit.dist.core import spec
 from distkit.dist.core.args import fail
-from distkit.dist.core.comm import _FACTS, _TRACED, Comm, TracedComm, _GroupFacts
+from distkit.dist.core.comm import _FACTS, _TRACED, Comm, TracedComm, _GroupFacts, refuse_forked
 from distkit.dist.core.shortcut import shortcut
 from distkit.dist.guard import creation as _creation  # noqa: F401 (checks group creations)
 from distkit.dist.guard import watch as _watch
@@ -59,7 +60,7 @@ def _facts(pg: ProcessGroup) -> _GroupFacts:
     if facts is None or facts.ref() is not pg:
         facts = _FACTS[id(pg)] = _GroupFacts(pg)
         facts.backend = GLOO if "gloo" in facts.backend_name else TORCH
-        if facts.size > 1:
+        if facts.size > 1 and facts.broken is None:  # (a fork's child: FORKED, no watchdog)
             _watchdog.ensure(_FACTS)
     return facts
 
@@ -88,6 +89,9 @@ def _mark_traced(pg: ProcessGroup) -> tuple[int, int, tuple[int, ...], bool]:
 
     Run once per call site at trace time (see :data:`_traced_once`), so that dynamo
     traces none of it: plain constants, no reference to ``pg`` kept in the graph."""
+    if _registry.inherited(real_object(pg)):  # a fork's child: the graph would wait for ever
+        where = Comm(None, pg.rank(), pg.size(), None)
+        refuse_forked("torch.compile", where)
     name = group_name(pg)
     _TRACED.add(name)
     for facts in list(_FACTS.values()):

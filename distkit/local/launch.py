@@ -91,13 +91,16 @@ def launch(
             else gloo on the CPU.
         timeout: Seconds the whole call may take (default 300; ``None``: no limit); also
             the collective timeout of the ranks' process group.
-        start_method: Force ``fork``, ``forkserver`` or ``spawn``.
+        start_method: Force ``fork``, ``forkserver`` or ``spawn`` (``fork`` is refused,
+            with ``ValueError``, in a process that has a process group).
         env: Extra environment variables for the ranks.
 
     Returns:
         The return value of ``fn`` on each rank, in rank order.
 
     Raises:
+        ValueError: ``nprocs`` is not a positive int, or ``start_method='fork'`` in a
+            process that has a process group.
         RankError: ``fn`` raised on some rank, or a rank died.
         RankTimeout: The call took longer than ``timeout``; the message shows every
             stuck rank's stack.
@@ -113,6 +116,12 @@ def launch(
     if not callable(fn):
         raise TypeError(f"launch: fn must be callable, got {type(fn).__name__}")
     method = start_method or _default_start_method()
+    if method == "fork" and _registry.current._default_pg is not None:
+        raise ValueError(
+            "launch: start_method='fork' in a process that has a process group: each rank "
+            "would inherit it and fail to make its own world. Leave start_method unset (here "
+            "it is 'forkserver'), or pass 'forkserver' or 'spawn'"
+        )
     with _sigterm_unwinds():
         pool = RankPool(
             nprocs,

@@ -98,6 +98,25 @@ def supports_cpu(config: str) -> bool:
     return config in ("gloo", "mpi", "ucc", "fake")
 
 
+def forked_error() -> tuple[str, str]:
+    """What is wrong, and what to do, when a process a rank forked calls a collective or
+    creates a group on what it inherited (see :func:`distkit._registry.inherited`)."""
+    rank = ""
+    try:
+        rank = f"rank {td.get_rank()} "
+    except Exception:  # the default group is gone: the rank is named by its pid alone
+        pass
+    return (
+        f"this process was forked from {rank}(pid {_registry.forked_from}) after its "
+        "process group was created, and a forked child cannot take part in its parent's "
+        "collectives: the group's connections are the parent's",
+        "Run collectives in the rank itself and hand data back to it (a DataLoader worker "
+        "returns its batch, a multiprocessing child puts its result in a queue); a child "
+        "that needs a world of its own is started with 'spawn' or 'forkserver' and calls "
+        "init_dist",
+    )
+
+
 def get_group(
     ranks: Iterable[int],
     backend: Optional[str] = None,
@@ -139,6 +158,9 @@ def get_group(
     if world is None:
         _normalize_ranks(ranks, 1)
         return None
+    if _registry.inherited(world):  # creating a group meets on the parent's connections
+        what, fix = forked_error()
+        raise RuntimeError(f"get_group: {what} (on rank {world.rank()} of {world.size()}). {fix}")
     default_backend = backend_name(world)
     name = (backend or default_backend).lower()
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout

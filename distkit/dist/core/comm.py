@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, NoReturn, Optional, Un
 import torch
 from torch import Tensor
 
+from distkit import _registry
 from distkit._compat import (
     ProcessGroup,
     backend_config,
     backend_name,
     group_name,
     group_timeout,
-    inherited_groups,
 )
 from distkit.dist.core.args import Where, fail
 from distkit.utils.device import backend_device_types, device_of_type
-from distkit.utils.groups import group_ranks
+from distkit.utils.groups import forked_error, group_ranks
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -129,7 +129,7 @@ class _GroupFacts:
         # ... and the point-to-point calls threads wait in now, for the watchdog (token ->
         # (public name, peers' group ranks, tag, thread ident, the ops it waits for))
         self.p2p: dict[int, tuple[str, tuple[int, ...], int, int, tuple[Any, ...]]] = {}
-        if inherited(pg):
+        if _registry.inherited(pg):
             self.broken = FORKED
 
 
@@ -159,13 +159,20 @@ def _forget(ref: weakref.ref) -> None:
 #: parent (see :func:`_after_fork`).
 FORKED = "this process is a fork of the rank that made it"
 
-#: In a child forked from a process that held process groups: the parent's pid, else None.
-_forked_from: Optional[int] = None
 
+class _ForkedWork:
+    """In a fork's child, what an async call its parent started waits for: the refusal
+    (the parent's work is the parent's; waited for here, it never ends)."""
 
-def inherited(pg: ProcessGroup) -> bool:
-    """Whether ``pg`` is a group this process, a fork's child, inherited from its parent."""
-    return _forked_from is not None and any(pg is held for held in inherited_groups())
+    def __init__(self, fn: str, comm: Comm) -> None:
+        self.fn = fn
+        self.comm = comm
+
+    def is_completed(self) -> bool:
+        return True  # wait() does not block: it raises
+
+    def wait(self, timeout: Any = None) -> None:
+        refuse_forked(self.fn, self.comm)
 
 
 def _after_fork() -> None:
@@ -173,13 +180,22 @@ def _after_fork() -> None:
     # it cannot take part in the parent's collectives, which waited for the group's
     # timeout (the board's keys are the parent's), and a send could put its bytes on the
     # parent's connection. Every group it inherited is marked: its next call raises
-    # (Comm.enter), before any communication. Python objects only, as in any fork hook.
-    global _forked_from
-    if not _FACTS and not inherited_groups():
+    # (Comm.enter), before any communication, and so does the wait of an async call the
+    # parent had in flight. Python objects only, as in any fork hook.
+    if _registry.forked_from is None:
         return
-    _forked_from = os.getppid()
     for facts in list(_FACTS.values()):
+        pg = facts.ref()
+        if pg is None or not _registry.inherited(pg):
+            continue
         facts.broken = FORKED
+        where = Comm(None, facts.rank, facts.size, None)
+        for call, ref in list(facts.pending.values()):
+            handle = ref()
+            if handle is not None and handle._works is not None:
+                handle._works = [_ForkedWork(call[0], where)]
+                handle._on_error = None
+        facts.pending.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -188,24 +204,9 @@ if hasattr(os, "register_at_fork"):
 
 def refuse_forked(fn: str, comm: Where) -> NoReturn:
     """Raise the error of a call on a group this process inherited from the rank that
-    forked it (see :func:`inherited`)."""
-    parent = ""
-    try:
-        parent = f"rank {torch.distributed.get_rank()} "
-    except Exception:  # the parent's default group is gone: named by its pid alone
-        pass
-    fail(
-        RuntimeError,
-        fn,
-        comm,
-        f"this process was forked from {parent}(pid {_forked_from}) after its process "
-        "group was created, and a forked child cannot take part in its parent's collectives: the "
-        "group's connections are the parent's",
-        "Run collectives in the rank itself and hand data back to it (a DataLoader worker "
-        "returns its batch, a multiprocessing child puts its result in a queue); a child "
-        "that needs a world of its own is started with 'spawn' or 'forkserver' and calls "
-        "init_dist",
-    )
+    forked it (see :func:`distkit._registry.inherited`)."""
+    what, fix = forked_error()
+    fail(RuntimeError, fn, comm, what, fix)
 
 
 def _alive_thread(ident: int) -> Optional[threading.Thread]:

@@ -288,6 +288,8 @@ def board() -> Optional[Board]:
     with _lock:
         if _current is not None and _current.pg() is pg:
             return _current
+        if _registry.inherited(pg):  # a fork's child: the world's store is its parent's
+            return None
         try:
             store = default_store()
         except Exception:  # a world without a store (MPI): no side channel

@@ -25,10 +25,9 @@ import sys
 import time
 from typing import Optional
 
-from distkit import _registry, _settings
+from distkit import _settings
 from distkit._compat import group_timeout
 from distkit.dist import errors
-from distkit.dist.core import comm as _comm
 from distkit.dist.core.args import by_value
 from distkit.dist.guard import board as _board
 from distkit.dist.guard import check as _check
@@ -49,9 +48,6 @@ def agree(ranks: tuple[int, ...], backend: str, seconds: Optional[float]) -> Non
     board = _board.board()
     if board is None or board.size == 1:
         return
-    world = _registry.current._default_pg
-    if world is not None and _comm.inherited(world):  # the store's connection is the parent's
-        _comm.refuse_forked("get_group", _comm.Comm(None, board.rank, board.size, None))
     k = board.groups + 1
     site = debugmode.call_site()
     what = f"get_group({list(ranks)}) (the world's group creation #{k}) at {site}"

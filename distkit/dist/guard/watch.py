@@ -187,7 +187,7 @@ def _watched_pair(method: F) -> F:
             return method(self, comm, *args)
         recorder = _record.active  # a profile is open (see distkit.dist.profiling)
         entered = time.time() if recorder is not None else 0.0
-        comm.enter(name, count=False)
+        comm.enter(args[-1].fn, count=False)  # the public name (its ObjectCall): isend
         _local.depth = 1
         try:
             result = method(self, comm, *args)
