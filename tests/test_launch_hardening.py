@@ -358,12 +358,13 @@ def test_cli_interrupted_says_so_and_stops_the_ranks(sig, whole_group, tmp_path)
 STUCK_IN_DIFFERENT_CALLS = """
 import os, torch, distkit.dist as dist
 dist.init_dist()
+dist.barrier()  # the collectives' modules loaded (seconds under load): the calls start at once
 with open(os.path.join({folder!r}, "ready-" + os.environ["RANK"]), "w"):
     pass
 if dist.get_rank() == 0:
-    dist.all_reduce(torch.ones(4))  # line 7: rank 1 never comes here
+    dist.all_reduce(torch.ones(4))  # line 8: rank 1 never comes here
 else:
-    dist.broadcast(torch.ones(8))  # line 9
+    dist.broadcast(torch.ones(8))  # line 10
 """
 
 
@@ -392,8 +393,8 @@ def test_cli_interrupted_says_where_each_rank_was(sig, tmp_path):
     os.killpg(proc.pid, sig)  # the whole group, as Ctrl-C at a terminal
     code, _, err = finish(proc, 60)
     assert code == 128 + sig, err
-    assert f"rank 0 was in dist.all_reduce at {script}:7 in <module>" in err, err
-    assert f"rank 1 was in dist.broadcast at {script}:9 in <module>" in err, err
+    assert f"rank 0 was in dist.all_reduce at {script}:8 in <module>" in err, err
+    assert f"rank 1 was in dist.broadcast at {script}:10 in <module>" in err, err
 
 
 # -- nothing left in the temporary directory ----------------------------------------------------
