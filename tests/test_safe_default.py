@@ -1588,6 +1588,8 @@ from distkit.utils import get_group
 rank = td.get_rank()
 child = os.fork()
 if child == 0:
+    import signal
+    signal.alarm(60)  # a child that hangs (distkit failing this test) ends, not lingers
     for call in (lambda: dist.all_reduce(torch.ones(1)), lambda: get_group([0, 1], timeout=9.0)):
         started = time.monotonic()
         try:
